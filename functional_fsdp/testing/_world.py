@@ -1,0 +1,193 @@
+"""A simulated N-rank world: ranks are threads of one process, collectives meet at a barrier."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..comm import DoneWork, Work
+
+__all__ = ["SimulatedComm", "SimulatedGroup", "SimulatedWorld"]
+
+_TIMEOUT_S = 60.0
+
+
+class SimulatedGroup:
+    """A group of simulated ranks with its own rendezvous (one per sub-group / mesh dim)."""
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks = tuple(ranks)
+        self._barrier = threading.Barrier(len(self.ranks), timeout=_TIMEOUT_S)
+        self._slots: list[Any] = [None] * len(self.ranks)
+        self.calls = 0
+
+    def comm(self, global_rank: int) -> SimulatedComm:
+        """The communicator of ``global_rank`` (must be a member) in this group."""
+        return SimulatedComm(self, self.ranks.index(global_rank))
+
+    def abort(self) -> None:
+        """Break the rendezvous so ranks blocked in a collective raise instead of hanging."""
+        self._barrier.abort()
+
+    def _exchange(self, rank: int, value: Any) -> list[Any]:
+        self._slots[rank] = value
+        self._barrier.wait()
+        values = list(self._slots)
+        self._barrier.wait()
+        if rank == 0:
+            self.calls += 1
+        return values
+
+
+class SimulatedComm:
+    """A :class:`~functional_fsdp.comm.Communicator` for one rank of a :class:`SimulatedGroup`.
+
+    Collectives are computed exactly (reductions add in rank order) and complete immediately;
+    ``async_op=True`` returns a completed work handle.
+    """
+
+    def __init__(self, group: SimulatedGroup, rank: int) -> None:
+        self._group = group
+        self._rank = rank
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group."""
+        return len(self._group.ranks)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work:
+        """Rank-major gather of every rank's 1-D ``input`` into ``output``."""
+        values = self._group._exchange(self._rank, input.detach().clone())
+        torch.cat([v.reshape(-1) for v in values], out=output.view(-1))
+        return DoneWork()
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: str = "sum", async_op: bool = False
+    ) -> Work:
+        """Reduce every rank's ``input`` and keep chunk ``rank``."""
+        values = self._group._exchange(self._rank, input.detach().clone())
+        n = output.numel()
+        chunks = [v.reshape(-1).narrow(0, self._rank * n, n) for v in values]
+        output.view(-1).copy_(_reduce(chunks, op))
+        return DoneWork()
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Work:
+        """Reduce ``tensor`` over ranks, in place."""
+        values = self._group._exchange(self._rank, tensor.detach().clone())
+        tensor.copy_(_reduce(values, op))
+        return DoneWork()
+
+
+def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
+    acc = values[0].clone()
+    for v in values[1:]:
+        acc += v
+    if op == "avg":
+        acc /= len(values)
+    elif op != "sum":
+        raise ValueError(f"unsupported reduction {op!r}; use 'sum' or 'avg'")
+    return acc
+
+
+class SimulatedWorld:
+    """``world_size`` ranks in one process, for testing sharding without processes.
+
+    Example:
+        >>> import torch
+        >>> from functional_fsdp import shard, unshard
+        >>> world = SimulatedWorld(4)
+        >>> full = {"w": torch.randn(5, 3)}
+        >>> outs = world.run(lambda comm: unshard(shard(full, world_size=4, rank=comm.rank), comm))
+        >>> all(torch.equal(o.params[0], full["w"]) for o in outs)
+        True
+
+    Args:
+        world_size: number of simulated ranks.
+        mesh_shape: optional 2-D ``(replicate, shard)`` shape for HSDP; ranks are row-major.
+    """
+
+    def __init__(self, world_size: int, *, mesh_shape: tuple[int, int] | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if mesh_shape is not None and mesh_shape[0] * mesh_shape[1] != world_size:
+            raise ValueError(f"mesh_shape {mesh_shape} does not multiply to world_size {world_size}")
+        self.world_size = world_size
+        self.mesh_shape = mesh_shape
+        self.world = SimulatedGroup(range(world_size))
+        self._groups: dict[tuple[int, ...], SimulatedGroup] = {tuple(range(world_size)): self.world}
+
+    def group(self, ranks: Sequence[int]) -> SimulatedGroup:
+        """The (cached) sub-group of ``ranks``; every member must use the same one."""
+        key = tuple(ranks)
+        if key not in self._groups:
+            self._groups[key] = SimulatedGroup(key)
+        return self._groups[key]
+
+    def comm(self, rank: int) -> SimulatedComm:
+        """Rank ``rank``'s communicator over the whole world."""
+        return self.world.comm(rank)
+
+    def shard_comm(self, rank: int) -> SimulatedComm:
+        """Rank's communicator over its row of the ``(replicate, shard)`` mesh."""
+        r, s = self._mesh()
+        row = rank // s
+        return self.group(range(row * s, row * s + s)).comm(rank)
+
+    def replicate_comm(self, rank: int) -> SimulatedComm:
+        """Rank's communicator over its column of the ``(replicate, shard)`` mesh."""
+        r, s = self._mesh()
+        return self.group(range(rank % s, r * s, s)).comm(rank)
+
+    def sub_group_comm(self, rank: int, size: int, *, within: Sequence[int] | None = None) -> SimulatedComm:
+        """Communicator over the consecutive ``size``-rank block containing ``rank``."""
+        base = list(within) if within is not None else list(range(self.world_size))
+        idx = base.index(rank)
+        start = idx // size * size
+        return self.group(base[start : start + size]).comm(rank)
+
+    def _mesh(self) -> tuple[int, int]:
+        if self.mesh_shape is None:
+            return 1, self.world_size
+        return self.mesh_shape
+
+    def run(self, fn: Callable[..., Any], *per_rank: Sequence[Any]) -> list[Any]:
+        """Run ``fn(comm, *args_r)`` on every rank concurrently; return the results by rank.
+
+        ``per_rank`` are sequences with one element per rank. If any rank raises, the others
+        are released from their collectives and the first error is re-raised.
+        """
+        results: list[Any] = [None] * self.world_size
+        errors: list[BaseException | None] = [None] * self.world_size
+
+        def body(rank: int) -> None:
+            try:
+                results[rank] = fn(self.comm(rank), *(a[rank] for a in per_rank))
+            except BaseException as e:
+                errors[rank] = e
+                for g in list(self._groups.values()):
+                    g.abort()
+
+        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=_TIMEOUT_S * 4)
+        # Barriers broken by an aborted run are replaced so the world can be reused.
+        for key, g in list(self._groups.items()):
+            if g._barrier.broken:
+                self._groups[key] = SimulatedGroup(key)
+                if key == tuple(range(self.world_size)):
+                    self.world = self._groups[key]
+        first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+        first = first or next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+        return results

@@ -1,0 +1,508 @@
+"""The five pure transitions: ``shard``, ``unshard``, ``reshard``, ``writeback``, ``reduce_grad``.
+
+Each takes records (and, for collectives, an injected :class:`~functional_fsdp.comm.Communicator`)
+and returns new records; inputs are never mutated. The lower-level steps (``pack_for_gather``,
+``begin_unshard``/``finish_unshard``, ``pack_grads``/``finish_reduce``) are public too, so a
+custom trainer (or the shell) can overlap communication with compute.
+
+State diagram (per group)::
+
+    ShardedState --unshard--> UnshardedState --reshard()--> ShardedState
+         ^                        |      \\--reshard(group_size=k)--> PostForwardState
+         |                        |                                        |
+         +--writeback(edited)-----+           PostForwardState --unshard(sub-group)--> Unsharded
+    ShardedState --reduce_grad(full grads)--> ShardedState (with sharded grads)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import optree
+import torch
+
+from . import layout as L
+from .comm import Communicator, DoneWork, Work
+from .errors import LayoutMismatchError, MeshError, StateError
+from .records import (
+    GroupLayout,
+    ParamSpec,
+    PostForwardState,
+    ShardedState,
+    UnshardedState,
+    region,
+)
+
+__all__ = [
+    "PendingReduce",
+    "PendingUnshard",
+    "begin_reduce",
+    "begin_unshard",
+    "finish_reduce",
+    "finish_unshard",
+    "full_from_gather",
+    "pack_for_gather",
+    "pack_grads",
+    "post_forward_from_gather",
+    "reduce_grad",
+    "reshard",
+    "shard",
+    "shard_tensors",
+    "unshard",
+    "writeback",
+]
+
+ShardDims = int | Callable[[str, torch.Tensor], int] | Any
+
+
+# --------------------------------------------------------------------------------------- shard
+
+
+def shard(
+    tree: Any,
+    *,
+    world_size: int,
+    rank: int,
+    shard_dims: ShardDims = 0,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> ShardedState:
+    """Shard a pytree of full tensors for one rank (no communication).
+
+    Args:
+        tree: a pytree of tensors (a dict of parameters, a list, nested containers).
+        world_size: ranks in the shard group.
+        rank: which rank's shard to build.
+        shard_dims: ``int`` for every leaf, a function ``(fqn, tensor) -> int``, or a pytree of
+            ints matching ``tree``.
+        param_dtype: all-gather / compute dtype for floating-point leaves (mixed precision).
+        reduce_dtype: gradient reduction dtype.
+
+    Returns:
+        A :class:`ShardedState` whose :attr:`~ShardedState.flat` holds this rank's padded shards.
+
+    Example:
+        >>> import torch
+        >>> s = shard({"w": torch.arange(5.0)}, world_size=4, rank=2)
+        >>> s.local(0)
+        tensor([4.])
+    """
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    fqns = [".".join(str(p) for p in path) for path in paths]
+    if callable(shard_dims):
+        dims = [int(shard_dims(f, t)) for f, t in zip(fqns, leaves)]
+    elif isinstance(shard_dims, int):
+        dims = [shard_dims] * len(leaves)
+    else:
+        dims = [int(d) for d in optree.tree_leaves(shard_dims)]
+    for f, t in zip(fqns, leaves):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"shard: leaf {f!r} is a {type(t).__name__}, not a torch.Tensor")
+    specs = [ParamSpec(f, tuple(t.shape), t.dtype, bool(t.requires_grad), d) for f, t, d in zip(fqns, leaves, dims)]
+    lay = GroupLayout.build(specs, world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype, treespec=spec)
+    return shard_tensors(leaves, lay, rank)
+
+
+def shard_tensors(tensors: Sequence[torch.Tensor], layout: GroupLayout, rank: int) -> ShardedState:
+    """Shard full tensors given in ``layout`` order for ``rank`` (no communication)."""
+    layout.check_full(tensors, what="shard", dtypes=[s.dtype for s in layout.specs])
+    device = tensors[0].device if tensors else torch.device("cpu")
+    flat = torch.zeros(layout.storage.total, dtype=layout.storage_dtype, device=device)
+    state = ShardedState(layout, rank, flat)
+    with torch.no_grad():
+        for i, t in enumerate(tensors):
+            start, length = layout.extent(i, rank)
+            dim = layout.shard_dims[i]
+            state.shard(i).narrow(dim, 0, length).copy_(t.detach().narrow(dim, start, length))
+    return state
+
+
+# ------------------------------------------------------------------------------------- unshard
+
+
+def pack_for_gather(state: ShardedState) -> torch.Tensor:
+    """This rank's all-gather input: the padded shards packed in the gather dtypes.
+
+    Zero-copy when no dtype changes (the sharded buffer itself is sent; collectives only read
+    their input); one cast-copy when the group is uniform; a per-parameter copy otherwise.
+    """
+    lay = state.layout
+    if lay.storage == lay.gather and lay.storage_dtype == lay.gather_buffer_dtype:
+        return state.flat
+    out = torch.empty(lay.gather.total, dtype=lay.gather_buffer_dtype, device=state.flat.device)
+    if lay.storage.uniform and lay.gather.uniform:
+        out.copy_(state.flat)
+        return out
+    for i in range(len(lay)):
+        region(out, lay.gather, i, lay.gather_dtypes[i]).copy_(state.shard(i).reshape(-1))
+    return out
+
+
+@attrs.frozen(eq=False)
+class PendingUnshard:
+    """An all-gather in flight; :func:`finish_unshard` turns it into an :class:`UnshardedState`."""
+
+    layout: GroupLayout
+    rank: int
+    output: torch.Tensor
+    work: Work
+    source: ShardedState | None
+
+
+def begin_unshard(
+    state: ShardedState | PostForwardState, comm: Communicator, *, async_op: bool = True
+) -> PendingUnshard:
+    """Issue the group's one all-gather (over the sub-group for a :class:`PostForwardState`)."""
+    lay = state.layout
+    if isinstance(state, ShardedState):
+        _check_comm(comm, lay.world_size, "unshard")
+        inp, source = pack_for_gather(state), state
+    elif isinstance(state, PostForwardState):
+        _check_comm(comm, state.group_size, "unshard of a PostForwardState (its sub-group)")
+        if comm.rank != state.sub_rank:
+            raise MeshError(f"unshard: sub-group communicator rank {comm.rank} != state sub-rank {state.sub_rank}")
+        inp, source = state.rows, state.source
+    else:
+        raise StateError(
+            f"unshard expects a ShardedState or PostForwardState, got {type(state).__name__}; "
+            "an UnshardedState is already unsharded"
+        )
+    out = torch.empty(lay.world_size * lay.gather.total, dtype=lay.gather_buffer_dtype, device=inp.device)
+    if lay.world_size == 1:
+        out.copy_(inp)
+        work: Work = DoneWork()
+    else:
+        work = comm.all_gather(out, inp, async_op=async_op)
+    return PendingUnshard(lay, state.rank, out, work, source)
+
+
+def finish_unshard(pending: PendingUnshard, *, into: torch.Tensor | None = None) -> UnshardedState:
+    """Wait for the all-gather and copy out the full parameters (padding stripped).
+
+    Args:
+        pending: from :func:`begin_unshard`.
+        into: optional buffer (``world_size * gather.total`` elements) to copy into; the shell
+            passes its persistent unsharded buffer so views saved by autograd stay valid.
+    """
+    pending.work.wait()
+    params, buffer = full_from_gather(pending.layout, pending.output, into=into)
+    return UnshardedState(pending.layout, pending.rank, params, pending.source, buffer)
+
+
+def full_from_gather(
+    layout: GroupLayout, output: torch.Tensor, *, into: torch.Tensor | None = None
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """Copy-out: view the all-gather output as ``(ws, N)``, split columns per parameter.
+
+    Returns the full (unpadded) parameters, as views into one contiguous buffer, and the buffer.
+    With ``world_size == 1`` and no ``into`` the output itself is the buffer (no copy).
+    """
+    ws, pack = layout.world_size, layout.gather
+    dims_zero = all(d == 0 for d in layout.shard_dims)
+    if ws == 1 and into is None and dims_zero:
+        buf = output
+    else:
+        buf = into if into is not None else torch.empty_like(output)
+        rows = output.view(ws, pack.total)
+        if pack.uniform and dims_zero and sum(pack.sizes) == pack.total:
+            outs = [buf.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)]
+            torch.split_with_sizes_copy(rows, list(pack.sizes), dim=1, out=outs)
+        else:
+            for i in range(len(layout)):
+                _copy_out_one(layout, rows, buf, i)
+    params = tuple(_full_view(layout, buf, i) for i in range(len(layout)))
+    return params, buf
+
+
+def _full_region(layout: GroupLayout, buf: torch.Tensor, i: int) -> torch.Tensor:
+    ws, pack = layout.world_size, layout.gather
+    r = buf.narrow(0, ws * pack.offsets[i], ws * pack.sizes[i])
+    return r if pack.uniform else r.view(layout.gather_dtypes[i])
+
+
+def _full_view(layout: GroupLayout, buf: torch.Tensor, i: int) -> torch.Tensor:
+    spec, dim = layout.specs[i], layout.shard_dims[i]
+    if dim == 0:
+        return _full_region(layout, buf, i).view(layout.padded_full_shape(i)).narrow(0, 0, spec.shape[0])
+    return _full_region(layout, buf, i).view(spec.shape)
+
+
+def _copy_out_one(layout: GroupLayout, rows: torch.Tensor, buf: torch.Tensor, i: int) -> None:
+    ws, pack, dim = layout.world_size, layout.gather, layout.shard_dims[i]
+    src = rows.narrow(1, pack.offsets[i], pack.sizes[i])
+    dst = _full_region(layout, buf, i)
+    if not pack.uniform:
+        src = src.contiguous().view(layout.gather_dtypes[i])
+    if dim == 0:
+        dst.view(ws, -1).copy_(src)
+        return
+    full = dst.view(layout.specs[i].shape)
+    chunk = layout.shard_shapes[i][dim]
+    for r in range(ws):
+        full.narrow(dim, r * chunk, chunk).copy_(src[r].view(layout.shard_shapes[i]))
+
+
+def unshard(state: ShardedState | PostForwardState, comm: Communicator) -> UnshardedState:
+    """All-gather a group's full parameters: pack (cast to ``param_dtype``), one all-gather,
+    unpack, strip padding. A :class:`PostForwardState` gathers over its sub-group ``comm``.
+    """
+    return finish_unshard(begin_unshard(state, comm, async_op=False))
+
+
+# ------------------------------------------------------------------------------------- reshard
+
+
+def reshard(unsharded: UnshardedState, *, group_size: int | None = None) -> ShardedState | PostForwardState:
+    """Drop the full tensors.
+
+    Args:
+        unsharded: the state to reshard.
+        group_size: ``None`` (or the world size) returns the sharded source state; ``k`` returns
+            a :class:`PostForwardState` keeping this rank's rows for a ``k``-rank sub-group
+            (``reshard_after_forward=k``).
+    """
+    if not isinstance(unsharded, UnshardedState):
+        raise StateError(
+            f"reshard expects an UnshardedState, got {type(unsharded).__name__}; the state is "
+            "already sharded (call unshard first)"
+        )
+    lay = unsharded.layout
+    if unsharded.source is None:
+        raise StateError("reshard: this UnshardedState has no sharded source; use writeback(unsharded, sharded)")
+    if group_size is None or group_size == lay.world_size:
+        return unsharded.source
+    L.check_sub_group_size(group_size, lay.world_size)
+    per = lay.world_size // group_size
+    first = (unsharded.rank % group_size) * per
+    rows = torch.empty(per * lay.gather.total, dtype=lay.gather_buffer_dtype, device=_device(unsharded.params))
+    rows.zero_()
+    for j in range(per):
+        row = rows.narrow(0, j * lay.gather.total, lay.gather.total)
+        for i, full in enumerate(unsharded.params):
+            start, length = lay.extent(i, first + j)
+            dst = region(row, lay.gather, i, lay.gather_dtypes[i]).view(lay.shard_shapes[i])
+            dim = lay.shard_dims[i]
+            dst.narrow(dim, 0, length).copy_(full.narrow(dim, start, length))
+    return PostForwardState(lay, unsharded.rank, group_size, rows, unsharded.source)
+
+
+def post_forward_from_gather(
+    layout: GroupLayout, rank: int, group_size: int, output: torch.Tensor, source: ShardedState
+) -> PostForwardState:
+    """Build a :class:`PostForwardState` by slicing the padded all-gather output (a copy)."""
+    L.check_sub_group_size(group_size, layout.world_size)
+    per = layout.world_size // group_size
+    n = layout.gather.total
+    rows = output.narrow(0, (rank % group_size) * per * n, per * n).clone()
+    return PostForwardState(layout, rank, group_size, rows, source)
+
+
+# ----------------------------------------------------------------------------------- writeback
+
+
+def writeback(unsharded: UnshardedState, sharded: ShardedState | None = None) -> ShardedState:
+    """A new sharded state holding this rank's slice of the (possibly edited) full tensors.
+
+    Args:
+        unsharded: full tensors, e.g. edited in place inside ``summon_full_params``.
+        sharded: the sharded state to write into (default: ``unsharded.source``); its grads are
+            kept. Not mutated.
+    """
+    if not isinstance(unsharded, UnshardedState):
+        raise StateError(f"writeback expects an UnshardedState, got {type(unsharded).__name__}")
+    sharded = sharded if sharded is not None else unsharded.source
+    if sharded is None:
+        raise StateError("writeback: pass the ShardedState to write into (the unsharded state has no source)")
+    if not isinstance(sharded, ShardedState):
+        raise StateError(f"writeback writes into a ShardedState, got {type(sharded).__name__}")
+    if sharded.layout != unsharded.layout:
+        raise LayoutMismatchError("writeback: the sharded and unsharded states have different layouts")
+    fresh = shard_tensors(
+        [p.to(s.dtype) for p, s in zip(unsharded.params, sharded.layout.specs)],
+        sharded.layout,
+        sharded.rank,
+    )
+    return attrs.evolve(fresh, grads=sharded.grads, partial=sharded.partial)
+
+
+# --------------------------------------------------------------------------------- reduce_grad
+
+
+def _grad_list(grads: Any, layout: GroupLayout) -> list[torch.Tensor | None]:
+    if isinstance(grads, (list, tuple)) and all(g is None or isinstance(g, torch.Tensor) for g in grads):
+        return list(grads)
+    if layout.treespec is not None:
+        return list(layout.treespec.flatten_up_to(grads))
+    raise LayoutMismatchError(
+        f"reduce_grad: expected {len(layout)} gradients in layout order, got {type(grads).__name__}"
+    )
+
+
+def pack_grads(
+    grads: Sequence[torch.Tensor | None], layout: GroupLayout, *, device: torch.device | None = None
+) -> torch.Tensor:
+    """Reduce-scatter input: grads cast to the reduce dtype, padded, packed as ``(ws, S)``.
+
+    Missing gradients pack as zeros.
+    """
+    layout.check_full(grads, what="reduce_grad")
+    dtype = layout.grad_reduce_dtype()
+    ws = layout.world_size
+    present = [g for g in grads if g is not None]
+    dev = device or (present[0].device if present else torch.device("cpu"))
+    numels = [L.prod(s) for s in layout.shard_shapes]
+    total = sum(numels)
+    if all(d == 0 for d in layout.shard_dims) and len(present) == len(grads) and present:
+        cast = [g if g.dtype == dtype else g.to(dtype) for g in present]
+        out = torch.empty(ws, total, dtype=dtype, device=dev)
+        torch._chunk_cat(cast, dim=0, num_chunks=ws, out=out)
+        return out.view(-1)
+    out = torch.zeros(ws, total, dtype=dtype, device=dev)
+    off = 0
+    for i, g in enumerate(grads):
+        n = numels[i]
+        if g is not None:
+            dim = layout.shard_dims[i]
+            padded = torch.zeros(layout.padded_full_shape(i), dtype=dtype, device=dev)
+            padded.narrow(dim, 0, g.shape[dim]).copy_(g)
+            chunks = padded.chunk(ws, dim=dim)
+            for r in range(ws):
+                out[r, off : off + n].copy_(chunks[r].reshape(-1))
+        off += n
+    return out.view(-1)
+
+
+@attrs.frozen(eq=False)
+class PendingReduce:
+    """A reduce-scatter in flight; :func:`finish_reduce` turns it into a new sharded state."""
+
+    sharded: ShardedState
+    output: torch.Tensor
+    work: Work
+    factors: L.DivideFactors
+    present: tuple[bool, ...]
+    replicate_comm: Communicator | None
+    all_reduce: bool
+
+
+def begin_reduce(
+    grads: Any,
+    sharded: ShardedState,
+    comm: Communicator,
+    *,
+    replicate_comm: Communicator | None = None,
+    divide_factor: float | None = None,
+    force_sum: bool = False,
+    all_reduce: bool = True,
+    reduce_unused: bool = False,
+    async_op: bool = True,
+) -> PendingReduce:
+    """Pack gradients, pre-divide and issue the group's one reduce-scatter."""
+    if not isinstance(sharded, ShardedState):
+        raise StateError(f"reduce_grad writes into a ShardedState, got {type(sharded).__name__}")
+    lay = sharded.layout
+    _check_comm(comm, lay.world_size, "reduce_grad")
+    glist = _grad_list(grads, lay)
+    present = tuple((g is not None) or (reduce_unused and s.requires_grad) for g, s in zip(glist, lay.specs))
+    rdtype = lay.grad_reduce_dtype()
+    ar_size = replicate_comm.world_size if replicate_comm is not None else 1
+    factors = L.divide_factors(
+        lay.world_size, ar_size, overflow_risk=rdtype not in (torch.float32, torch.bfloat16, torch.float64),
+        factor=divide_factor, force_sum=force_sum,
+    )
+    inp = pack_grads(glist, lay, device=sharded.flat.device)
+    if factors.pre is not None and factors.pre != 1:
+        inp.div_(factors.pre)
+    if factors.premul is not None:
+        inp.mul_(factors.premul)
+    out = torch.empty(inp.numel() // lay.world_size, dtype=inp.dtype, device=inp.device)
+    if lay.world_size == 1:
+        out.copy_(inp)
+        work: Work = DoneWork()
+    else:
+        work = comm.reduce_scatter(out, inp, op=factors.op, async_op=async_op)
+    return PendingReduce(sharded, out, work, factors, present, replicate_comm, all_reduce)
+
+
+def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> ShardedState:
+    """Wait; HSDP all-reduce; post-divide; split per parameter; cast; add to existing grads."""
+    pending.work.wait()
+    sharded, out, factors = pending.sharded, pending.output, pending.factors
+    lay = sharded.layout
+    partial = None
+    if pending.replicate_comm is not None:
+        if sharded.partial is not None:
+            out = out + sharded.partial
+        if not pending.all_reduce:
+            return attrs.evolve(sharded, partial=out)
+        if pending.replicate_comm.world_size > 1:
+            pending.replicate_comm.all_reduce(out, op=factors.all_reduce_op).wait()
+    if factors.post is not None and factors.post != 1:
+        out = out / factors.post
+    old = sharded.grads or (None,) * len(lay)
+    new: list[torch.Tensor | None] = []
+    off = 0
+    for i, spec in enumerate(lay.specs):
+        n = L.prod(lay.shard_shapes[i])
+        if not pending.present[i]:
+            new.append(old[i])
+        else:
+            g = out.narrow(0, off, n).view(lay.shard_shapes[i])
+            g = g.to(spec.dtype) if g.dtype != spec.dtype else g
+            new.append(g + old[i] if (accumulate and old[i] is not None) else g)
+        off += n
+    return attrs.evolve(sharded, grads=tuple(new), partial=partial)
+
+
+def reduce_grad(
+    grads: Any,
+    sharded: ShardedState,
+    comm: Communicator,
+    *,
+    replicate_comm: Communicator | None = None,
+    divide_factor: float | None = None,
+    force_sum: bool = False,
+    all_reduce: bool = True,
+    reduce_unused: bool = False,
+    accumulate: bool = True,
+) -> ShardedState:
+    """Average full gradients over ranks and keep this rank's shard.
+
+    Packs in the reduce dtype, pre-divides, one reduce-scatter over ``comm``, all-reduce over
+    ``replicate_comm`` (HSDP; with ``all_reduce=False`` the result is kept in
+    :attr:`ShardedState.partial` and added before the next all-reduce), post-divides, casts to
+    each parameter's dtype and adds to existing grads (``accumulate``).
+
+    Args:
+        grads: full gradients in layout order (or in the layout's pytree); ``None`` = no grad.
+        sharded: the state to attach gradients to (not mutated).
+        comm: the shard group.
+        replicate_comm: the replicate group for HSDP, or ``None``.
+        divide_factor: custom divide factor (default: the data-parallel size).
+        force_sum: use sum reductions only.
+        all_reduce: for HSDP, whether to all-reduce now.
+        reduce_unused: reduce (zeros for) parameters without a gradient too.
+        accumulate: add to existing sharded grads instead of replacing them.
+    """
+    pending = begin_reduce(
+        grads, sharded, comm, replicate_comm=replicate_comm, divide_factor=divide_factor,
+        force_sum=force_sum, all_reduce=all_reduce, reduce_unused=reduce_unused, async_op=False,
+    )
+    return finish_reduce(pending, accumulate=accumulate)
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+def _check_comm(comm: Communicator, world_size: int, what: str) -> None:
+    if comm.world_size != world_size:
+        raise MeshError(
+            f"{what}: the communicator has {comm.world_size} ranks but the layout was built for "
+            f"{world_size}; pass the shard group the state was sharded over"
+        )
+
+
+def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    return tensors[0].device if tensors else torch.device("cpu")
