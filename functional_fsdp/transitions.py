@@ -40,9 +40,11 @@ __all__ = [
     "PendingUnshard",
     "begin_reduce",
     "begin_unshard",
+    "copy_out",
     "finish_reduce",
     "finish_unshard",
     "full_from_gather",
+    "full_views",
     "pack_for_gather",
     "pack_grads",
     "post_forward_from_gather",
@@ -199,21 +201,32 @@ def full_from_gather(
     Returns the full (unpadded) parameters, as views into one contiguous buffer, and the buffer.
     With ``world_size == 1`` and no ``into`` the output itself is the buffer (no copy).
     """
-    ws, pack = layout.world_size, layout.gather
-    dims_zero = all(d == 0 for d in layout.shard_dims)
-    if ws == 1 and into is None and dims_zero:
+    if layout.world_size == 1 and into is None and all(d == 0 for d in layout.shard_dims):
         buf = output
     else:
         buf = into if into is not None else torch.empty_like(output)
-        rows = output.view(ws, pack.total)
-        if pack.uniform and dims_zero and sum(pack.sizes) == pack.total:
-            outs = [buf.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)]
-            torch.split_with_sizes_copy(rows, list(pack.sizes), dim=1, out=outs)
-        else:
-            for i in range(len(layout)):
-                _copy_out_one(layout, rows, buf, i)
-    params = tuple(_full_view(layout, buf, i) for i in range(len(layout)))
-    return params, buf
+        copy_out(layout, output, buf)
+    return full_views(layout, buf), buf
+
+
+def copy_out(layout: GroupLayout, output: torch.Tensor, buf: torch.Tensor) -> None:
+    """Copy a padded all-gather output into ``buf`` so each parameter is contiguous there.
+
+    One ``split_with_sizes_copy`` for uniform dim-0 groups; per-parameter copies otherwise.
+    """
+    ws, pack = layout.world_size, layout.gather
+    rows = output.view(ws, pack.total)
+    if pack.uniform and all(d == 0 for d in layout.shard_dims):
+        outs = [buf.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)]
+        torch.split_with_sizes_copy(rows, list(pack.sizes), dim=1, out=outs)
+        return
+    for i in range(len(layout)):
+        _copy_out_one(layout, rows, buf, i)
+
+
+def full_views(layout: GroupLayout, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The full (unpadded) parameters as views into a copied-out buffer (see :func:`copy_out`)."""
+    return tuple(_full_view(layout, buf, i) for i in range(len(layout)))
 
 
 def _full_region(layout: GroupLayout, buf: torch.Tensor, i: int) -> torch.Tensor:
@@ -231,6 +244,9 @@ def _full_view(layout: GroupLayout, buf: torch.Tensor, i: int) -> torch.Tensor:
 
 def _copy_out_one(layout: GroupLayout, rows: torch.Tensor, buf: torch.Tensor, i: int) -> None:
     ws, pack, dim = layout.world_size, layout.gather, layout.shard_dims[i]
+    if pack.sizes[i] == 0:
+        # Nothing to copy; a (ws, 0) byte slice cannot be viewed as a wider dtype either.
+        return
     src = rows.narrow(1, pack.offsets[i], pack.sizes[i])
     dst = _full_region(layout, buf, i)
     if not pack.uniform:
@@ -354,7 +370,9 @@ def pack_grads(
     dev = device or (present[0].device if present else torch.device("cpu"))
     numels = [L.prod(s) for s in layout.shard_shapes]
     total = sum(numels)
-    if all(d == 0 for d in layout.shard_dims) and len(present) == len(grads) and present:
+    # torch._chunk_cat rejects empty tensors: zero-size gradients take the general path.
+    fast = bool(present) and len(present) == len(grads) and all(g.numel() > 0 for g in present)
+    if fast and all(d == 0 for d in layout.shard_dims):
         cast = [g if g.dtype == dtype else g.to(dtype) for g in present]
         out = torch.empty(ws, total, dtype=dtype, device=dev)
         torch._chunk_cat(cast, dim=0, num_chunks=ws, out=out)

@@ -1,0 +1,139 @@
+"""Communicators over real ``torch.distributed`` process groups.
+
+On gloo the native collectives are slow on small CPU machines; measured on 2 ranks, 2 cores,
+4 MiB per rank: ``all_gather_into_tensor`` 24 ms vs one async ``broadcast`` per rank 4 ms;
+``reduce_scatter_tensor`` 27 ms vs ``all_to_all_single`` plus a local sum 6 ms. Both
+replacements move the same bytes as the native collective, so gloo groups use them by default
+(``strategy="auto"``). NCCL (and other backends) use the native collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..comm import DoneWork, Work
+
+__all__ = ["ProcessGroupComm"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+
+
+class _ThenWork:
+    """Wait for ``works``, then run ``then`` once (e.g. the local sum of an all-to-all)."""
+
+    __slots__ = ("_then", "_works")
+
+    def __init__(self, works: list, then: Callable[[], None] | None = None) -> None:
+        self._works = works
+        self._then = then
+
+    def wait(self) -> None:
+        for w in self._works:
+            w.wait()
+        self._works = []
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+class ProcessGroupComm:
+    """A :class:`~functional_fsdp.comm.Communicator` over a ``torch.distributed`` process group.
+
+    Args:
+        group: the process group (default: the world).
+        strategy: ``"auto"`` (broadcast all-gather and all-to-all reduce-scatter on gloo, native
+            elsewhere), ``"native"`` (always the native collectives) or ``"p2p"`` (the gloo
+            replacements everywhere).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, *, strategy: str = "auto") -> None:
+        if strategy not in ("auto", "native", "p2p"):
+            raise ValueError(f"strategy must be 'auto', 'native' or 'p2p', got {strategy!r}")
+        self.group = group if group is not None else dist.group.WORLD
+        self._rank = dist.get_rank(self.group)
+        self._world_size = dist.get_world_size(self.group)
+        self._global_ranks = dist.get_process_group_ranks(self.group)
+        backend = str(dist.get_backend(self.group)).lower()
+        self.backend = backend
+        self._p2p = strategy == "p2p" or (strategy == "auto" and backend == "gloo")
+        self._sum_only = backend == "gloo"
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group."""
+        return self._world_size
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work:
+        """Rank-major all-gather of 1-D ``input`` into ``output``."""
+        if self._world_size == 1:
+            output.copy_(input)
+            return DoneWork()
+        if not self._p2p:
+            w = dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+            return _done(w, async_op)
+        chunks = output.chunk(self._world_size)
+        chunks[self._rank].copy_(input)
+        works = [
+            dist.broadcast(c, src=src, group=self.group, async_op=True)
+            for c, src in zip(chunks, self._global_ranks)
+        ]
+        work = _ThenWork(works)
+        if not async_op:
+            work.wait()
+        return work
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: str = "sum", async_op: bool = False
+    ) -> Work:
+        """Reduce 1-D ``input`` (``ws * n``) over ranks; this rank keeps chunk ``rank``."""
+        ws = self._world_size
+        if ws == 1:
+            output.copy_(input)
+            return DoneWork()
+        if not self._p2p and not (self._sum_only and op == "avg"):
+            w = dist.reduce_scatter_tensor(output, input, op=_OPS[op], group=self.group, async_op=async_op)
+            return _done(w, async_op)
+        received = torch.empty_like(input)
+        if self._p2p:
+            works = [dist.all_to_all_single(received, input, group=self.group, async_op=True)]
+        else:
+            received = input.clone()
+            works = [dist.all_reduce(received, group=self.group, async_op=True)]
+
+        def then() -> None:
+            if self._p2p:
+                torch.sum(received.view(ws, -1), dim=0, out=output.view(-1))
+            else:
+                output.copy_(received.view(ws, -1)[self._rank])
+            if op == "avg":
+                output.div_(ws)
+
+        work = _ThenWork(works, then)
+        if not async_op:
+            work.wait()
+        return work
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Work:
+        """In-place all-reduce; ``avg`` is a sum and a division on gloo."""
+        if self._world_size == 1:
+            return DoneWork()
+        if op == "avg" and self._sum_only:
+            w = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            work = _ThenWork([w], lambda: tensor.div_(self._world_size))
+        else:
+            work = _ThenWork([dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)])
+        if not async_op:
+            work.wait()
+        return work
+
+
+def _done(work: object, async_op: bool) -> Work:
+    return work if (async_op and work is not None) else DoneWork()  # type: ignore[return-value]

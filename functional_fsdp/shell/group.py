@@ -1,0 +1,316 @@
+"""The runtime of one parameter group: one mutable cell holding the current sharded record.
+
+Everything else here is a cache (views, DTensor parameters) or a buffer in flight. The
+unsharded parameters are views into one persistent buffer per group; "resharding" frees that
+buffer's storage (``resize_(0)``) and "unsharding" re-allocates it and copies the all-gather into
+it, so tensors autograd saved during forward see the data again in backward. Gradient reduction
+is the backward of the unshard (:class:`_UnshardFn`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+from .. import transitions as T
+from ..comm import Communicator
+from ..records import CPUOffloadPolicy, GroupLayout, MixedPrecisionPolicy, OffloadPolicy, ShardedState
+
+__all__ = ["ParamGroup", "TrainingState"]
+
+
+class TrainingState(enum.Enum):
+    """Where a group is in an iteration (FSDP2's states)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+class ParamGroup:
+    """Runtime of one ``fully_shard`` group.
+
+    Args:
+        layout: the group layout.
+        state: the initial sharded record (the one mutable cell).
+        holders: per parameter, the ``(module, attribute name)`` pairs that register it.
+        mesh: the device mesh (1-D, or 2-D ``(replicate, shard)`` for HSDP).
+        comm: communicator over the shard group.
+        replicate_comm: communicator over the replicate group (HSDP) or ``None``.
+        sub_comm: communicator over the ``reshard_after_forward=k`` sub-group, or ``None``.
+        device: the compute device.
+        mp_policy: mixed-precision policy.
+        offload_policy: offload policy.
+    """
+
+    def __init__(
+        self,
+        layout: GroupLayout,
+        state: ShardedState,
+        holders: list[list[tuple[nn.Module, str]]],
+        requires_grad: Sequence[bool],
+        *,
+        mesh: Any,
+        comm: Communicator,
+        replicate_comm: Communicator | None,
+        sub_comm: Communicator | None,
+        device: torch.device,
+        mp_policy: MixedPrecisionPolicy,
+        offload_policy: OffloadPolicy,
+        name: str,
+    ) -> None:
+        self.layout = layout
+        self.state = state
+        self.holders = holders
+        self.mesh = mesh
+        self.comm = comm
+        self.replicate_comm = replicate_comm
+        self.sub_comm = sub_comm
+        self.device = device
+        self.mp_policy = mp_policy
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self.name = name
+        hsdp = replicate_comm is not None
+        self._placements = [
+            ((Replicate(), Shard(d)) if hsdp else (Shard(d),)) for d in layout.shard_dims
+        ]
+        self._specs = [
+            DTensorSpec(mesh, pl, tensor_meta=TensorMeta(torch.Size(s.shape), _contiguous_stride(s.shape), s.dtype))
+            for s, pl in zip(layout.specs, self._placements)
+        ]
+        self.params: list[nn.Parameter] = [
+            nn.Parameter(self._dtensor(state.local(i), i), requires_grad=rg) for i, rg in enumerate(requires_grad)
+        ]
+        self.requires_grad = tuple(requires_grad)
+        self.register_sharded()
+        # Buffers and caches (not state): unsharded buffer and its views, the all-gather in flight.
+        self.buffer: torch.Tensor | None = None
+        self.views: tuple[torch.Tensor, ...] = ()
+        self.full_outputs: tuple[torch.Tensor, ...] | None = None
+        self.pending: T.PendingUnshard | None = None
+        self.post_forward: Any = None
+        self.gather_output: torch.Tensor | None = None
+        self.is_unsharded = False
+        self.pending_reduce: T.PendingReduce | None = None
+        self.accumulated: list[torch.Tensor | None] | None = None
+        self.training_state = TrainingState.IDLE
+        self.ran_post_backward = False
+        # Flags (FSDPModule setters).
+        self.reshard_after_forward: bool | int = True
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.divide_factor: float | None = None
+        self.force_sum = False
+        self.reduce_unused = False
+
+    # ------------------------------------------------------------------ registration
+
+    def _dtensor(self, local: torch.Tensor, i: int) -> DTensor:
+        return DTensor(local, self._specs[i], requires_grad=False)  # type: ignore[call-arg]
+
+    def register_sharded(self) -> None:
+        """Put the sharded DTensor parameters on every holding module."""
+        for p, holders in zip(self.params, self.holders):
+            for m, n in holders:
+                m._parameters[n] = p
+
+    def register_full(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Put full tensors (autograd outputs of the unshard) on every holding module."""
+        for t, holders in zip(tensors, self.holders):
+            for m, n in holders:
+                m._parameters[n] = t  # type: ignore[assignment]
+
+    def refresh_from_modules(self) -> None:
+        """Re-adopt the parameters now on the modules (after ``_apply``, e.g. ``to_empty``).
+
+        Rebuilds the packed sharded buffer on the parameters' device and re-points every
+        parameter's local tensor into it, so the all-gather input stays zero-copy.
+        """
+        params = [holders[0][0]._parameters[holders[0][1]] for holders in self.holders]
+        locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p in params]  # type: ignore[union-attr]
+        device = locals_[0].device if locals_ else self.device
+        flat = torch.zeros(self.layout.storage.total, dtype=self.layout.storage_dtype, device=device)
+        state = ShardedState(self.layout, self.state.rank, flat)
+        with torch.no_grad():
+            for i, loc in enumerate(locals_):
+                state.local(i).copy_(loc)
+        self.state = state
+        new_params = []
+        for i, p in enumerate(params):
+            if not isinstance(p, nn.Parameter) or not isinstance(p, DTensor):
+                p = nn.Parameter(self._dtensor(state.local(i), i), requires_grad=self.requires_grad[i])
+            else:
+                p._local_tensor = state.local(i)  # type: ignore[attr-defined]
+            new_params.append(p)
+        self.params = new_params
+        self.register_sharded()
+        self.free()
+        self.buffer = None
+        self.views = ()
+
+    # ------------------------------------------------------------------ unshard / reshard
+
+    def start_unshard(self) -> None:
+        """Issue the all-gather (async) unless unsharded or already in flight."""
+        if self.is_unsharded or self.pending is not None:
+            return
+        if self.post_forward is not None and self.sub_comm is not None:
+            src, comm = self.post_forward, self.sub_comm
+        else:
+            src, comm = self._gather_source(), self.comm
+        self.pending = T.begin_unshard(src, comm, async_op=True)
+
+    def _gather_source(self) -> ShardedState:
+        if self.offload and self.state.flat.device != self.device:
+            return attrs.evolve(self.state, flat=self.state.flat.to(self.device, non_blocking=True))
+        return self.state
+
+    def wait_unshard(self) -> None:
+        """Finish the all-gather into the persistent buffer (issuing it first if needed)."""
+        if self.is_unsharded:
+            return
+        self.start_unshard()
+        pending = self.pending
+        assert pending is not None
+        self.pending = None
+        pending.work.wait()
+        buf = self._alloc_buffer(pending.output)
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
+            T.copy_out(self.layout, pending.output, buf)
+        if isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool):
+            self.gather_output = pending.output
+        self.post_forward = None
+        self.is_unsharded = True
+
+    def _alloc_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty_like(like)
+            self.views = T.full_views(self.layout, self.buffer)
+        else:
+            storage = self.buffer.untyped_storage()
+            nbytes = self.buffer.numel() * self.buffer.element_size()
+            if storage.size() != nbytes:
+                storage.resize_(nbytes)
+        return self.buffer
+
+    def free(self) -> None:
+        """Free the unsharded buffer's storage (views saved by autograd stay valid objects)."""
+        if self.buffer is not None and self.buffer.untyped_storage().size() != 0:
+            self.buffer.untyped_storage().resize_(0)
+        self.is_unsharded = False
+        self.gather_output = None
+
+    def reshard_after_forward_now(self, size: bool | int) -> None:
+        """Reshard after forward: fully (``True``), to a sub-group (``int``) or not (``False``)."""
+        if size is False:
+            return
+        if size is not True and self.gather_output is not None:
+            self.post_forward = T.post_forward_from_gather(
+                self.layout, self.comm.rank, int(size), self.gather_output, self.state
+            )
+        self.free()
+
+    def discard_pending(self) -> None:
+        """Drop an all-gather that was prefetched but not used (it may now be stale)."""
+        if self.pending is not None:
+            self.pending.work.wait()
+            self.pending = None
+
+    def unsharded_outputs(self) -> tuple[torch.Tensor, ...]:
+        """Autograd-tracked full tensors for this forward (the backward reduces gradients)."""
+        if torch.is_grad_enabled() and any(self.requires_grad):
+            out = _UnshardFn.apply(self, *self.params)
+            return tuple(out)
+        return tuple(v.view_as(v) for v in self.views)
+
+    # ------------------------------------------------------------------ gradients
+
+    def post_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Reduce (or accumulate, without sync) the full gradients; reshard after backward."""
+        self.ran_post_backward = True
+        self.training_state = TrainingState.POST_BACKWARD
+        grads = [g if rg else None for g, rg in zip(grads, self.requires_grad)]
+        if not self.requires_gradient_sync:
+            rdtype = self.layout.grad_reduce_dtype()
+            acc = self.accumulated or [None] * len(grads)
+            self.accumulated = [
+                (a if g is None else (g.to(rdtype, copy=True) if a is None else a.add_(g))) for a, g in zip(acc, grads)
+            ]
+        else:
+            if self.accumulated is not None:
+                grads = [
+                    (a if g is None else (g if a is None else a.add_(g))) for a, g in zip(self.accumulated, grads)
+                ]
+                self.accumulated = None
+            if any(g is not None for g in grads):
+                self.finish_reduce()
+                self.pending_reduce = T.begin_reduce(
+                    grads,
+                    self.state,
+                    self.comm,
+                    replicate_comm=self.replicate_comm,
+                    divide_factor=self.divide_factor,
+                    force_sum=self.force_sum,
+                    all_reduce=self.requires_all_reduce,
+                    reduce_unused=self.reduce_unused,
+                    async_op=True,
+                )
+        if self.reshard_after_backward:
+            self.free()
+            self.register_sharded()
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``."""
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is None:
+            return
+        new = T.finish_reduce(pending, accumulate=False)
+        self.state = attrs.evolve(self.state, partial=new.partial)
+        if new.grads is None:
+            return
+        for i, p in enumerate(self.params):
+            g = new.local_grad(i)
+            if g is None:
+                continue
+            if self.offload and g.device != p.device:
+                g = g.to(p.device)
+            if p.grad is None:
+                p.grad = self._dtensor(g, i)
+            else:
+                p.grad._local_tensor.add_(g)  # type: ignore[union-attr]
+
+
+class _UnshardFn(torch.autograd.Function):
+    """Forward: the group's full parameters. Backward: reduce-scatter their gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, group: ParamGroup, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.group = group
+        ctx.set_materialize_grads(False)
+        outs = tuple(v.view_as(v) for v in group.views)
+        frozen = [o for o, rg in zip(outs, group.requires_grad) if not rg]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
+        ctx.group.post_backward(grads)
+        return (None,) * (1 + len(grads))

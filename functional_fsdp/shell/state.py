@@ -1,0 +1,239 @@
+"""Per-module FSDP state: forward/backward hooks, root logic, prefetching."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.autograd import Variable
+
+from ..errors import StateError
+from ..records import MixedPrecisionPolicy
+from .group import ParamGroup, TrainingState
+
+__all__ = ["FSDPState"]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class FSDPState:
+    """State of one module passed to ``fully_shard``: its group (if any) and root bookkeeping."""
+
+    def __init__(self, module: nn.Module, group: ParamGroup | None, mp_policy: MixedPrecisionPolicy, name: str) -> None:
+        self.module = module
+        self.group = group
+        self.mp_policy = mp_policy
+        self.name = name
+        self.root: FSDPState | None = None
+        self.explicit_forward_prefetch: list[FSDPState] | None = None
+        self.explicit_backward_prefetch: list[FSDPState] | None = None
+        # Root-only bookkeeping.
+        self.all_states: list[FSDPState] = []
+        self.forward_order: list[FSDPState] = []
+        self.order_recorded = False
+        self.callback_queued = False
+        self.is_last_backward = True
+        self.user_reshard_after_forward: bool | int | None = None
+        self.in_forward = False
+
+    @property
+    def is_root(self) -> bool:
+        return self.root is self
+
+    # ------------------------------------------------------------------ lazy init
+
+    def lazy_init(self) -> None:
+        """Make this state the root of every FSDP state below it (first forward)."""
+        if self.root is not None:
+            return
+        states = [
+            s for m in self.module.modules() if (s := getattr(m, "_ffsdp_state", None)) is not None
+        ]
+        for s in states:
+            if s.root is not None:
+                raise StateError(
+                    f"FSDP module {s.name!r} ran forward before its ancestor {self.name!r} and became a "
+                    f"root itself; run the root module {self.name!r} first (call model(x), not a "
+                    "submodule), or call reset_iter_state() / re-apply fully_shard"
+                )
+        seen: dict[int, str] = {}
+        for s in states:
+            s.root = self
+            if s.group is not None:
+                for p in s.group.params:
+                    if id(p) in seen:
+                        from ..errors import TiedParameterError
+
+                        raise TiedParameterError(
+                            f"a parameter is managed by both {seen[id(p)]!r} and {s.name!r}; tie it "
+                            "within one group (fully_shard a common parent) or untie it"
+                        )
+                    seen[id(p)] = s.name
+        self.all_states = states
+        if self.group is not None and self.user_reshard_after_forward is None:
+            self.group.reshard_after_forward = False
+
+    # ------------------------------------------------------------------ forward
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Unshard this group (consuming a prefetch), prefetch the next, register full params."""
+        if self.root is None:
+            self.lazy_init()
+        root = self.root
+        assert root is not None
+        g = self.group
+        if _in_backward():
+            # Activation-checkpoint recompute: only make sure the parameters are unsharded.
+            if g is not None:
+                g.wait_unshard()
+                g.register_full(g.full_outputs if g.full_outputs is not None else g.views)
+            return args, kwargs
+        if self.is_root:
+            root.in_forward = True
+            for s in root.all_states:
+                if s.group is not None:
+                    s.group.ran_post_backward = False
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
+        if not root.order_recorded:
+            root.forward_order.append(self)
+        if g is not None:
+            g.training_state = TrainingState.FORWARD
+            g.wait_unshard()
+            for t in self._forward_prefetch_targets():
+                t.group.start_unshard()  # type: ignore[union-attr]
+            g.full_outputs = g.unsharded_outputs()
+            g.register_full(g.full_outputs)
+        else:
+            for t in self._forward_prefetch_targets():
+                t.group.start_unshard()  # type: ignore[union-attr]
+        return args, kwargs
+
+    def _forward_prefetch_targets(self) -> list[FSDPState]:
+        if self.explicit_forward_prefetch is not None:
+            return [s for s in self.explicit_forward_prefetch if s.group is not None]
+        root = self.root
+        if root is None or not root.order_recorded:
+            return []
+        order = root.forward_order
+        try:
+            i = order.index(self)
+        except ValueError:
+            return []
+        nxt = [s for s in order[i + 1 :] if s.group is not None][:1]
+        return nxt
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        """Register sharded params, reshard per policy, hook the pre-backward, cast outputs."""
+        g = self.group
+        if _in_backward():
+            return output
+        if g is not None:
+            g.register_sharded()
+            g.reshard_after_forward_now(g.reshard_after_forward)
+            g.training_state = TrainingState.IDLE
+        if self.mp_policy.output_dtype is not None:
+            output = _cast_floats(output, self.mp_policy.output_dtype)
+        if torch.is_grad_enabled():
+            tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        if self.is_root:
+            self.order_recorded = True
+            self.in_forward = False
+            for s in self.all_states:
+                if s.group is not None and s.group.pending is not None:
+                    s.group.discard_pending()
+        return output
+
+    # ------------------------------------------------------------------ backward
+
+    def _pre_backward(self, grad: Any) -> None:
+        root = self.root
+        assert root is not None
+        if not root.callback_queued:
+            root.callback_queued = True
+            Variable._execution_engine.queue_callback(root._final_callback)
+        g = self.group
+        if g is not None:
+            g.training_state = TrainingState.PRE_BACKWARD
+            g.wait_unshard()
+            if g.full_outputs is not None:
+                g.register_full(g.full_outputs)
+        for t in self._backward_prefetch_targets():
+            if t.group is not None and not t.group.ran_post_backward:
+                t.group.start_unshard()
+
+    def _backward_prefetch_targets(self) -> list[FSDPState]:
+        if self.explicit_backward_prefetch is not None:
+            return self.explicit_backward_prefetch
+        root = self.root
+        if root is None:
+            return []
+        order = root.forward_order
+        try:
+            i = order.index(self)
+        except ValueError:
+            return []
+        prev = [s for s in reversed(order[:i]) if s.group is not None and s is not root]
+        return prev[:1]
+
+    def _final_callback(self) -> None:
+        """Root: finish every group (reductions, groups that got no gradient) and go idle."""
+        self.callback_queued = False
+        for s in self.all_states:
+            g = s.group
+            if g is None:
+                continue
+            g.finish_reduce()
+            g.discard_pending()
+            if g.reshard_after_backward or not g.ran_post_backward:
+                g.free()
+            g.register_sharded()
+            g.full_outputs = None
+            g.post_forward = None
+            g.training_state = TrainingState.IDLE
+
+    def reset(self) -> None:
+        """``reset_iter_state``: drop in-flight work, reshard, go idle (after an exception)."""
+        states = self.all_states or [self]
+        for s in states:
+            g = s.group
+            if g is None:
+                continue
+            g.discard_pending()
+            g.pending_reduce = None
+            g.free()
+            g.register_sharded()
+            g.full_outputs = None
+            g.post_forward = None
+            g.training_state = TrainingState.IDLE
+        if self.root is not None:
+            self.root.callback_queued = False
+            self.root.in_forward = False
+
+
+def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
+    def cast(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
+            return t.to(dtype)
+        return t
+
+    return pytree.tree_map(cast, tree)
+
+
+def hooks_for(state: FSDPState) -> tuple[Callable, Callable]:
+    """The module forward pre-hook and hook that drive ``state``."""
+
+    def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return state.pre_forward(module, args, kwargs)
+
+    def post(module: nn.Module, args: tuple, output: Any) -> Any:
+        return state.post_forward(module, args, output)
+
+    return pre, post
