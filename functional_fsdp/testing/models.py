@@ -29,7 +29,9 @@ class Block(nn.Module):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.ln1 = nn.LayerNorm(cfg.dim)
-        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        # No qkv bias: the key bias has an exactly-zero gradient (softmax is shift-invariant),
+        # pure float noise that Adam would amplify into +-lr updates.
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.ln2 = nn.LayerNorm(cfg.dim)
         self.fc = nn.Linear(cfg.dim, 4 * cfg.dim)

@@ -1,0 +1,160 @@
+"""Side-by-side step time, memory and traffic: functional_fsdp vs torch FSDP2, DDP, no-comm floor.
+
+Runs every variant in one invocation on the same machine: world size 2 on gloo (one thread per
+rank), the ~13M-parameter GPT (d=384, 4 blocks, vocab 8192, seq 128, batch 4 per rank), FSDP2's
+recipe (each block, then the root), AdamW. The floor is one process, same per-rank batch, no
+collectives. Each rank sets ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` so RSS follows live tensors.
+
+    python benchmarks/bench_step.py [--steps 20] [--warmup 3] [--variants ours,fsdp2,ddp,floor]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+
+def _mallopt() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _build(variant: str, cfg: GPTConfig, raf: bool | None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    if variant in ("ours", "fsdp2"):
+        if variant == "ours":
+            from functional_fsdp import fully_shard
+        else:
+            from torch.distributed.fsdp import fully_shard
+        for b in model.blocks:
+            fully_shard(b, reshard_after_forward=raf)
+        fully_shard(model, reshard_after_forward=raf)
+    elif variant == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    return model
+
+
+def _collective_bytes(cfg: GPTConfig, ws: int, raf: bool) -> int:
+    """Bytes each rank sends per step for FSDP (same schedule for ours and FSDP2)."""
+    model = GPT(cfg)
+    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    groups = [root] + [block] * cfg.n_layers
+    ag = sum(-(-g // ws) * (ws - 1) for g in groups)  # forward all-gathers
+    if raf:
+        ag += sum(-(-g // ws) * (ws - 1) for g in groups[1:])  # backward re-gathers (not root)
+    rs = sum(-(-g // ws) * (ws - 1) for g in groups)
+    return 4 * (ag + rs)
+
+
+def _worker(rank: int, ws: int, port: int, variant: str, args: argparse.Namespace, out: object) -> None:
+    _mallopt()
+    torch.set_num_threads(1)
+    if ws > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=ws)
+    cfg = GPTConfig()
+    model = _build(variant, cfg, None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    loss_fn = model.module.loss if variant == "ddp" else model.loss  # type: ignore[union-attr]
+    times, losses = [], []
+    for step in range(args.warmup + args.steps):
+        x, y = synthetic_batch(cfg, args.batch, seed=1000 * step + rank)
+        if ws > 1:
+            dist.barrier()
+        t0 = time.perf_counter()
+        loss = loss_fn(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+    local_numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    res = {
+        "variant": variant,
+        "rank": rank,
+        "step_ms": 1e3 * statistics.median(times[args.warmup :]),
+        "mean_ms": 1e3 * statistics.mean(times[args.warmup :]),
+        "peak_rss_mib": _peak_rss_mib(),
+        "final_loss": losses[-1],
+        "local_param_numel": local_numel,
+    }
+    out.put(res)  # type: ignore[attr-defined]
+    if ws > 1:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_variant(variant: str, args: argparse.Namespace) -> dict:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ws = 1 if variant == "floor" else args.world_size
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, ws, port, variant, args, q)) for r in range(ws)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=900) for _ in range(ws)]
+    for p in procs:
+        p.join(timeout=60)
+    step = max(r["step_ms"] for r in results)
+    return {
+        "variant": variant,
+        "step_ms": step,
+        "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
+        "final_loss": results[0]["final_loss"],
+        "local_param_numel": results[0]["local_param_numel"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--variants", default="floor,fsdp2,ours,ddp")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    rows = {v: run_variant(v, args) for v in args.variants.split(",")}
+    cfg = GPTConfig()
+    print(f"{'variant':8} {'step ms':>9} {'x floor':>8} {'x fsdp2':>8} {'peak RSS MiB':>13} {'local params':>13}")
+    for v, r in rows.items():
+        fl = r["step_ms"] / rows["floor"]["step_ms"] if "floor" in rows else float("nan")
+        fs = r["step_ms"] / rows["fsdp2"]["step_ms"] if "fsdp2" in rows else float("nan")
+        print(f"{v:8} {r['step_ms']:9.1f} {fl:8.3f} {fs:8.3f} {r['peak_rss_mib']:13.1f} {r['local_param_numel']:13d}")
+    traffic = _collective_bytes(cfg, args.world_size, raf=True)
+    print(f"collective bytes sent per rank per step (ours and FSDP2, reshard_after_forward=True): {traffic / 2**20:.1f} MiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "bytes_per_step": traffic}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
