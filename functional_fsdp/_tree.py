@@ -7,21 +7,34 @@ these wrappers (or pass ``namespace=NAMESPACE`` to optree) to see their tensors.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import optree
 from optree.integrations import attrs as _optree_attrs
 
-__all__ = ["NAMESPACE", "field", "frozen", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten"]
+__all__ = ["NAMESPACE", "STATIC", "field", "frozen", "register", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten"]
 
 NAMESPACE = "functional_fsdp"
 
 
-def frozen(cls: Any = None, **kwargs: Any) -> Any:
-    """``attrs`` frozen class registered as a pytree in :data:`NAMESPACE`.
+_T = TypeVar("_T", bound=type)
 
-    Tensor fields are children; ``field(pytree_node=False)`` fields are static metadata.
+#: ``attrs.field(metadata=STATIC)`` marks a field as static pytree metadata (not a child).
+STATIC: dict[str, Any] = {"pytree_node": False}
+
+
+def register(cls: _T) -> _T:
+    """Register an ``attrs`` class as a pytree node in :data:`NAMESPACE`.
+
+    Use it on top of ``@attrs.frozen``: fields are children unless declared with
+    ``attrs.field(metadata=STATIC)``. (Plain ``attrs`` decorators keep type checkers' attrs
+    support; this is what ``optree.integrations.attrs.frozen`` does in one step.)
     """
+    return _optree_attrs.register_node(cls, namespace=NAMESPACE)  # type: ignore[return-value]
+
+
+def frozen(cls: Any = None, **kwargs: Any) -> Any:
+    """``optree.integrations.attrs.frozen`` in :data:`NAMESPACE` (children and metadata by field)."""
     kwargs.setdefault("namespace", NAMESPACE)
     return _optree_attrs.frozen(cls, **kwargs) if cls is not None else _optree_attrs.frozen(**kwargs)
 

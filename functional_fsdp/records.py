@@ -17,7 +17,7 @@ import optree
 import torch
 
 from . import layout as L
-from ._tree import field, frozen
+from ._tree import STATIC, register
 from .errors import LayoutMismatchError, PolicyError
 
 __all__ = [
@@ -204,7 +204,8 @@ def _check_flat(flat: torch.Tensor, total: int, dtype: torch.dtype, what: str) -
         )
 
 
-@frozen(eq=False)
+@register
+@attrs.frozen(eq=False)
 class ShardedState:
     """One rank's sharded state of a group: padded shards packed in one buffer, optional grads.
 
@@ -218,8 +219,8 @@ class ShardedState:
             (``set_requires_all_reduce(False)``), in the reduce dtype; ``None`` otherwise.
     """
 
-    layout: GroupLayout = field(pytree_node=False)
-    rank: int = field(pytree_node=False)
+    layout: GroupLayout = attrs.field(metadata=STATIC)
+    rank: int = attrs.field(metadata=STATIC)
     flat: torch.Tensor
     grads: tuple[torch.Tensor | None, ...] | None = None
     partial: torch.Tensor | None = None
@@ -263,7 +264,8 @@ class ShardedState:
         return self.grads[i].narrow(self.layout.shard_dims[i], 0, length)
 
 
-@frozen(eq=False)
+@register
+@attrs.frozen(eq=False)
 class UnshardedState:
     """A group's full (unsharded) parameters on one rank.
 
@@ -275,8 +277,8 @@ class UnshardedState:
         buffer: the buffer ``params`` view into, when they share one (the shell frees it).
     """
 
-    layout: GroupLayout = field(pytree_node=False)
-    rank: int = field(pytree_node=False)
+    layout: GroupLayout = attrs.field(metadata=STATIC)
+    rank: int = attrs.field(metadata=STATIC)
     params: tuple[torch.Tensor, ...]
     source: ShardedState | None = None
     buffer: torch.Tensor | None = None
@@ -293,7 +295,8 @@ class UnshardedState:
         return optree.tree_unflatten(self.layout.treespec, list(self.params))
 
 
-@frozen(eq=False)
+@register
+@attrs.frozen(eq=False)
 class PostForwardState:
     """State after forward with ``reshard_after_forward=k``: rows kept for a ``k``-rank sub-group.
 
@@ -309,9 +312,9 @@ class PostForwardState:
         source: the sharded state (kept for gradients and ``reshard``).
     """
 
-    layout: GroupLayout = field(pytree_node=False)
-    rank: int = field(pytree_node=False)
-    group_size: int = field(pytree_node=False)
+    layout: GroupLayout = attrs.field(metadata=STATIC)
+    rank: int = attrs.field(metadata=STATIC)
+    group_size: int = attrs.field(metadata=STATIC)
     rows: torch.Tensor
     source: ShardedState
 

@@ -131,9 +131,14 @@ def pack_for_gather(state: ShardedState) -> torch.Tensor:
     their input); one cast-copy when the group is uniform; a per-parameter copy otherwise.
     """
     lay = state.layout
-    if lay.storage == lay.gather and lay.storage_dtype == lay.gather_buffer_dtype:
+    # Equal pack layouts are not enough: a byte buffer packing bf16 looks like one packing fp16.
+    same_dtypes = all(s.dtype == d for s, d in zip(lay.specs, lay.gather_dtypes))
+    if same_dtypes and lay.storage == lay.gather and lay.storage_dtype == lay.gather_buffer_dtype:
         return state.flat
-    out = torch.empty(lay.gather.total, dtype=lay.gather_buffer_dtype, device=state.flat.device)
+    # A byte buffer has alignment gaps between regions: zero them so every rank sends (and the
+    # post-forward rows keep) deterministic bytes, as the zero-initialised sharded buffer does.
+    alloc = torch.empty if lay.gather.uniform else torch.zeros
+    out = alloc(lay.gather.total, dtype=lay.gather_buffer_dtype, device=state.flat.device)
     if lay.storage.uniform and lay.gather.uniform:
         out.copy_(state.flat)
         return out
@@ -350,7 +355,13 @@ def _grad_list(grads: Any, layout: GroupLayout) -> list[torch.Tensor | None]:
     if isinstance(grads, (list, tuple)) and all(g is None or isinstance(g, torch.Tensor) for g in grads):
         return list(grads)
     if layout.treespec is not None:
-        return list(layout.treespec.flatten_up_to(grads))
+        try:
+            return list(layout.treespec.flatten_up_to(grads))
+        except (ValueError, TypeError) as e:
+            raise LayoutMismatchError(
+                f"reduce_grad: gradients do not match the structure the state was sharded from "
+                f"({layout.treespec}): {e}; pass one gradient (or None) per parameter"
+            ) from None
     raise LayoutMismatchError(
         f"reduce_grad: expected {len(layout)} gradients in layout order, got {type(grads).__name__}"
     )

@@ -33,6 +33,7 @@ class TrainingState(enum.Enum):
     FORWARD = "forward"
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
+    SUMMON_FULL_PARAMS = "summon_full_params"  # inside summon_full_params (FSDP1's state)
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -143,8 +144,8 @@ class ParamGroup:
         Rebuilds the packed sharded buffer on the parameters' device and re-points every
         parameter's local tensor into it, so the all-gather input stays zero-copy.
         """
-        params = [holders[0][0]._parameters[holders[0][1]] for holders in self.holders]
-        locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p in params]  # type: ignore[union-attr]
+        params: list[Any] = [holders[0][0]._parameters[holders[0][1]] for holders in self.holders]
+        locals_: list[torch.Tensor] = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
         device = locals_[0].device if locals_ else self.device
         flat = torch.zeros(self.layout.storage.total, dtype=self.layout.storage_dtype, device=device)
         state = ShardedState(self.layout, self.state.rank, flat)
@@ -294,7 +295,7 @@ class ParamGroup:
             if p.grad is None:
                 p.grad = self._dtensor(g, i)
             else:
-                p.grad._local_tensor.add_(g)  # type: ignore[union-attr]
+                p.grad._local_tensor.add_(g)  # type: ignore[attr-defined]
 
 
 class _UnshardFn(torch.autograd.Function):

@@ -123,13 +123,18 @@ class SimulatedWorld:
         self.mesh_shape = mesh_shape
         self.world = SimulatedGroup(range(world_size))
         self._groups: dict[tuple[int, ...], SimulatedGroup] = {tuple(range(world_size)): self.world}
+        # Ranks ask for sub-groups concurrently; without the lock two ranks could each create
+        # (and wait on) their own copy of a group and never meet.
+        self._lock = threading.Lock()
 
     def group(self, ranks: Sequence[int]) -> SimulatedGroup:
         """The (cached) sub-group of ``ranks``; every member must use the same one."""
         key = tuple(ranks)
-        if key not in self._groups:
-            self._groups[key] = SimulatedGroup(key)
-        return self._groups[key]
+        with self._lock:
+            group = self._groups.get(key)
+            if group is None:
+                group = self._groups[key] = SimulatedGroup(key)
+        return group
 
     def comm(self, rank: int) -> SimulatedComm:
         """Rank ``rank``'s communicator over the whole world."""
