@@ -248,6 +248,10 @@ class ParamGroup:
         self.ran_post_backward = True
         self.training_state = TrainingState.POST_BACKWARD
         grads = [g if rg else None for g, rg in zip(grads, self.requires_grad)]
+        if self.reshard_after_backward:
+            # The gradients are separate tensors: free the full parameters before packing them.
+            self.free()
+            self.register_sharded()
         if not self.requires_gradient_sync:
             rdtype = self.layout.grad_reduce_dtype()
             acc = self.accumulated or [None] * len(grads)
@@ -273,9 +277,6 @@ class ParamGroup:
                     reduce_unused=self.reduce_unused,
                     async_op=True,
                 )
-        if self.reshard_after_backward:
-            self.free()
-            self.register_sharded()
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``."""
