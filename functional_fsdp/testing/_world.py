@@ -142,7 +142,7 @@ class SimulatedWorld:
 
     def shard_comm(self, rank: int) -> SimulatedComm:
         """Rank's communicator over its row of the ``(replicate, shard)`` mesh."""
-        r, s = self._mesh()
+        _, s = self._mesh()
         row = rank // s
         return self.group(range(row * s, row * s + s)).comm(rank)
 

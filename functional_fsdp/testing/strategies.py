@@ -22,6 +22,7 @@ lazily, so :class:`~functional_fsdp.testing.SimulatedWorld` works without it.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -132,9 +133,12 @@ def _arrange(draw: st.DrawFn, leaves: list[torch.Tensor], *, root: bool) -> Any:
     if not root and len(leaves) == 1 and draw(st.booleans()):
         return leaves[0]
     n_children = draw(st.integers(min_value=1, max_value=len(leaves)))
-    cuts = sorted(draw(st.sets(st.integers(1, len(leaves) - 1), min_size=n_children - 1, max_size=n_children - 1))) if n_children > 1 else []
+    cuts: list[int] = []
+    if n_children > 1:
+        inner = st.integers(1, len(leaves) - 1)
+        cuts = sorted(draw(st.sets(inner, min_size=n_children - 1, max_size=n_children - 1)))
     bounds = [0, *cuts, len(leaves)]
-    children = [draw(_arrange(leaves[a:b], root=False)) for a, b in zip(bounds, bounds[1:])]
+    children = [draw(_arrange(leaves[a:b], root=False)) for a, b in itertools.pairwise(bounds)]
     kind = draw(st.sampled_from(("dict", "list", "tuple")))
     if kind == "dict":
         if len(children) <= len(_KEYS):
@@ -176,7 +180,10 @@ def param_trees(
     else:
         dtype_st = st.sampled_from(tuple(dtypes))
     n = draw(st.integers(min_value=1, max_value=max_leaves))
-    leaves = [draw(tensors(shape=shape if shape is not None else shapes(), dtype=dtype_st)) for _ in range(n)]
+    leaves = [
+        draw(tensors(shape=shape if shape is not None else shapes(), dtype=dtype_st))
+        for _ in range(n)
+    ]
     return draw(_arrange(leaves, root=True))
 
 

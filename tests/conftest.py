@@ -1,0 +1,34 @@
+"""Test configuration: hypothesis profiles and a deterministic torch seed.
+
+Profiles (choose with ``HYPOTHESIS_PROFILE``, default ``dev``):
+
+- ``dev``: fast, for the edit-test loop.
+- ``ci``: more examples, still bounded, derandomized so CI runs are reproducible.
+
+Warnings are errors (``filterwarnings`` in ``pyproject.toml``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("dev", max_examples=30, deadline=None)
+settings.register_profile(
+    "ci",
+    max_examples=120,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(autouse=True)
+def _deterministic_seed() -> None:
+    """Every test starts from the same torch RNG state."""
+    torch.manual_seed(0)

@@ -1,0 +1,290 @@
+"""The core transitions over real gloo process groups agree with the simulated world.
+
+One 2-rank and one 4-rank world are spawned for the module. Each case runs the same per-rank
+function twice: in the workers with :class:`~functional_fsdp.shell.comm.ProcessGroupComm`
+(default strategy and ``"native"``), and in this process with a
+:class:`~functional_fsdp.testing.SimulatedWorld`. Gathers must agree bit for bit, reductions
+within ``1e-6`` (float32; low-precision dtypes within one or two of their ulps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from _dist import World
+
+from functional_fsdp.comm import Communicator
+from functional_fsdp.testing import SimulatedWorld
+from functional_fsdp.transitions import (
+    begin_unshard,
+    post_forward_from_gather,
+    reduce_grad,
+    reshard,
+    shard,
+    unshard,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+STRATEGIES = ("auto", "native")
+BF16, FP16 = torch.bfloat16, torch.float16
+
+
+@pytest.fixture(scope="module")
+def world2() -> Iterator[World]:
+    world = World(2)
+    yield world
+    world.close()
+
+
+@pytest.fixture(scope="module")
+def world4() -> Iterator[World]:
+    world = World(4)
+    yield world
+    world.close()
+
+
+def _worlds(request: pytest.FixtureRequest, ws: int) -> World:
+    return request.getfixturevalue(f"world{ws}")
+
+
+# ------------------------------------------------------------------------------ inputs
+
+
+def _rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).clamp_(-4, 4).to(dtype)
+
+
+def _trees() -> list[tuple[Any, dict[str, Any]]]:
+    """(tree, shard kwargs) pairs covering uneven, empty, mixed-dtype, cast and Shard(1) cases."""
+    gen = torch.Generator().manual_seed(0)
+    uneven = {"w": _rand(gen, 5, 3), "b": _rand(gen, 3)}  # 5 rows on 4 ranks: 2, 2, 1, 0
+    mixed = {"emb": _rand(gen, 7, 4, dtype=BF16), "norm": _rand(gen, 4), "idx": torch.arange(6)}
+    empty = [_rand(gen, 0, 3), _rand(gen, 1), _rand(gen, 2, 2, 2)]
+    cols = {"w": _rand(gen, 3, 8), "b": _rand(gen, 5)}
+    return [
+        (uneven, {}),
+        (uneven, {"param_dtype": BF16}),
+        (mixed, {}),
+        (mixed, {"param_dtype": FP16}),
+        (empty, {}),
+        (cols, {"shard_dims": {"w": 1, "b": 0}}),
+    ]
+
+
+def _grads(
+    tree: Any, ws: int, seed: int, dtype: torch.dtype | None = None
+) -> list[list[torch.Tensor]]:
+    """Per-rank full gradients (layout order), deterministic."""
+    import optree
+
+    gen = torch.Generator().manual_seed(seed)
+    leaves = optree.tree_leaves(tree)
+    return [[_rand(gen, *t.shape, dtype=dtype or t.dtype) for t in leaves] for _ in range(ws)]
+
+
+# -------------------------------------------------------------- per-rank bodies (both worlds)
+
+
+def _shard_unshard(comm: Communicator, trees: list[tuple[Any, dict[str, Any]]]) -> list[Any]:
+    out = []
+    for tree, kw in trees:
+        s = shard(tree, world_size=comm.world_size, rank=comm.rank, **kw)
+        u = unshard(s, comm)
+        out.append((list(s.locals()), list(u.params)))
+    return out
+
+
+def _reduce(comm: Communicator, cases: list[tuple[Any, list[Any], dict, dict]]) -> list[Any]:
+    out = []
+    for tree, grads, shard_kw, reduce_kw in cases:
+        s = shard(tree, world_size=comm.world_size, rank=comm.rank, **shard_kw)
+        once = reduce_grad(grads[comm.rank], s, comm, **reduce_kw)
+        twice = reduce_grad(grads[comm.rank], once, comm, **reduce_kw)  # accumulates
+        out.append(
+            (
+                [once.local_grad(i) for i in range(len(s.layout))],
+                [twice.local_grad(i) for i in range(len(s.layout))],
+            )
+        )
+    return out
+
+
+def _hsdp(
+    shard_comm: Communicator,
+    replicate_comm: Communicator,
+    tree: Any,
+    g1: list[Any],
+    g2: list[Any],
+    rank: int,
+) -> Any:
+    s = shard(tree, world_size=shard_comm.world_size, rank=shard_comm.rank)
+    now = reduce_grad(g1[rank], s, shard_comm, replicate_comm=replicate_comm)
+    held = reduce_grad(g1[rank], s, shard_comm, replicate_comm=replicate_comm, all_reduce=False)
+    later = reduce_grad(g2[rank], held, shard_comm, replicate_comm=replicate_comm)
+    n = len(s.layout)
+    return (
+        [now.local_grad(i) for i in range(n)],
+        held.partial,
+        [later.local_grad(i) for i in range(n)],
+    )
+
+
+def _reshard_sub_group(comm: Communicator, sub: Communicator, tree: Any, kw: dict[str, Any]) -> Any:
+    s = shard(tree, world_size=comm.world_size, rank=comm.rank, **kw)
+    u = unshard(s, comm)
+    pf = reshard(u, group_size=sub.world_size)
+    sliced = post_forward_from_gather(
+        s.layout, comm.rank, sub.world_size, begin_unshard(s, comm, async_op=False).output, s
+    )
+    again = unshard(pf, sub)
+    return list(u.params), pf.rows, sliced.rows, list(again.params)
+
+
+# ------------------------------------------------------------------ worker entry points
+
+_GROUPS: dict[tuple[int, ...], Any] = {}
+
+
+def _group(ranks: tuple[int, ...]) -> Any:
+    """Sub-groups of the 4-rank world; every rank creates all of them, in the same order, once."""
+    import torch.distributed as dist
+
+    if not _GROUPS:
+        for key in ((0, 1), (2, 3), (0, 2), (1, 3)):
+            _GROUPS[key] = dist.new_group(list(key))
+    return _GROUPS[ranks]
+
+
+def _pg_comm(strategy: str, ranks: tuple[int, ...] | None = None) -> Communicator:
+    from functional_fsdp.shell.comm import ProcessGroupComm
+
+    return ProcessGroupComm(_group(ranks) if ranks is not None else None, strategy=strategy)
+
+
+def _row(rank: int) -> tuple[int, ...]:
+    return (0, 1) if rank < 2 else (2, 3)
+
+
+def _col(rank: int) -> tuple[int, ...]:
+    return (0, 2) if rank % 2 == 0 else (1, 3)
+
+
+def case_shard_unshard(strategy: str, trees: Any) -> Any:
+    return _shard_unshard(_pg_comm(strategy), trees)
+
+
+def case_reduce(strategy: str, cases: Any) -> Any:
+    return _reduce(_pg_comm(strategy), cases)
+
+
+def case_hsdp(strategy: str, tree: Any, g1: Any, g2: Any) -> Any:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    return _hsdp(_pg_comm(strategy, _row(rank)), _pg_comm(strategy, _col(rank)), tree, g1, g2, rank)
+
+
+def case_reshard_sub_group(strategy: str, tree: Any, kw: Any) -> Any:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    return _reshard_sub_group(_pg_comm(strategy), _pg_comm(strategy, _row(rank)), tree, kw)
+
+
+# ------------------------------------------------------------------------------ compare
+
+
+def _tol(t: torch.Tensor) -> dict[str, float]:
+    return (
+        {"atol": 1e-6, "rtol": 1e-6}
+        if t.dtype in (torch.float32, torch.float64)
+        else {"atol": 1e-2, "rtol": 1e-2}
+    )
+
+
+def _equal(got: Any, want: Any, *, exact: bool) -> None:
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and got.shape == want.shape
+        if exact:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, **_tol(want))
+    elif isinstance(want, (list, tuple)):
+        assert isinstance(got, (list, tuple)) and len(got) == len(want)
+        for g, w in zip(got, want):
+            _equal(g, w, exact=exact)
+    else:
+        assert got == want
+
+
+# -------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("ws", [2, 4])
+def test_shard_unshard(request: pytest.FixtureRequest, ws: int, strategy: str) -> None:
+    trees = _trees()
+    got = _worlds(request, ws).run(case_shard_unshard, strategy, trees)
+    want = SimulatedWorld(ws).run(lambda c: _shard_unshard(c, trees))
+    _equal(got, want, exact=True)
+
+
+def _reduce_cases(ws: int) -> list[tuple[Any, list[Any], dict, dict]]:
+    gen = torch.Generator().manual_seed(1)
+    fp32 = {"w": _rand(gen, 5, 3), "b": _rand(gen, 3), "e": _rand(gen, 1, 2)}
+    half = {"w": _rand(gen, 9, 2, dtype=FP16), "b": _rand(gen, 3, dtype=FP16)}
+    brain = {"w": _rand(gen, 6, dtype=BF16)}
+    cols = {"w": _rand(gen, 3, 4)}
+    return [
+        (fp32, _grads(fp32, ws, 2), {}, {}),
+        (fp32, _grads(fp32, ws, 3), {}, {"divide_factor": 3.0}),
+        (fp32, _grads(fp32, ws, 4), {}, {"divide_factor": float(ws)}),
+        (fp32, _grads(fp32, ws, 5), {}, {"force_sum": True}),
+        (fp32, _grads(fp32, ws, 6, BF16), {"param_dtype": BF16, "reduce_dtype": torch.float32}, {}),
+        (half, _grads(half, ws, 7), {}, {}),  # fp16: pre- and post-divide around sums
+        (brain, _grads(brain, ws, 8), {}, {}),
+        (cols, _grads(cols, ws, 9), {"shard_dims": 1}, {}),
+    ]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("ws", [2, 4])
+def test_reduce_grad(request: pytest.FixtureRequest, ws: int, strategy: str) -> None:
+    cases = _reduce_cases(ws)
+    got = _worlds(request, ws).run(case_reduce, strategy, cases)
+    want = SimulatedWorld(ws).run(lambda c: _reduce(c, cases))
+    _equal(got, want, exact=False)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_hsdp_reduce_grad(world4: World, strategy: str) -> None:
+    gen = torch.Generator().manual_seed(2)
+    tree = {"w": _rand(gen, 5, 3), "b": _rand(gen, 3)}
+    g1, g2 = _grads(tree, 4, 10), _grads(tree, 4, 11)
+    got = world4.run(case_hsdp, strategy, tree, g1, g2)
+    sim = SimulatedWorld(4, mesh_shape=(2, 2))
+    want = sim.run(
+        lambda c: _hsdp(sim.shard_comm(c.rank), sim.replicate_comm(c.rank), tree, g1, g2, c.rank)
+    )
+    _equal(got, want, exact=False)
+    # the simulated answer is the dense mean over all four ranks (b is layout entry 0)
+    mean_b = torch.stack([g[0] for g in g1]).mean(0)
+    torch.testing.assert_close(torch.cat([want[0][0][0], want[1][0][0]]), mean_b)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("kw", [{}, {"param_dtype": BF16}], ids=["fp32", "bf16"])
+def test_reshard_to_sub_group(world4: World, strategy: str, kw: dict[str, Any]) -> None:
+    gen = torch.Generator().manual_seed(3)
+    tree = {"w": _rand(gen, 7, 3), "b": _rand(gen, 2), "i": torch.arange(5)}
+    got = world4.run(case_reshard_sub_group, strategy, tree, kw)
+    sim = SimulatedWorld(4)
+    want = sim.run(lambda c: _reshard_sub_group(c, sim.sub_group_comm(c.rank, 2), tree, kw))
+    _equal(got, want, exact=True)
+    for full, rows, sliced, again in got:
+        _equal(rows, sliced, exact=True)
+        _equal(again, full, exact=True)
