@@ -12,7 +12,17 @@ from .records import (
     ShardedState,
     UnshardedState,
 )
-from .shell import FSDPModule, ProcessGroupComm, UnshardHandle, fully_shard, register_fsdp_forward_method
+from .shell import (
+    FSDPModule,
+    ProcessGroupComm,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    UnshardHandle,
+    fully_shard,
+    load_checkpoint,
+    register_fsdp_forward_method,
+    summon_full_params,
+)
 from .transitions import reduce_grad, reshard, shard, unshard, writeback
 
 __version__ = "0.1.0"
@@ -27,16 +37,20 @@ __all__ = [
     "ParamSpec",
     "ProcessGroupComm",
     "PostForwardState",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
     "ShardedState",
     "UnshardHandle",
     "UnshardedState",
     "Work",
     "errors",
     "fully_shard",
+    "load_checkpoint",
     "reduce_grad",
     "register_fsdp_forward_method",
     "reshard",
     "shard",
+    "summon_full_params",
     "unshard",
     "writeback",
 ]

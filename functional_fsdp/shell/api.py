@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import types
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -17,6 +18,8 @@ from ..errors import MeshError, PolicyError, StateError, TiedParameterError
 from ..layout import check_sub_group_size
 from ..records import GroupLayout, MixedPrecisionPolicy, OffloadPolicy, ParamSpec
 from ..transitions import shard_tensors
+from ._copy import deepcopy_fsdp_module
+from .checkpoint import readopt_after_load
 from .comm import ProcessGroupComm
 from .group import ParamGroup
 from .state import FSDPState, hooks_for
@@ -128,6 +131,7 @@ def fully_shard(
         pre, post = hooks_for(st)
         m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         m.register_forward_hook(post)
+        m.register_load_state_dict_post_hook(readopt_after_load)  # load_state_dict(assign=True)
         _swap_class(m)
     return module
 
@@ -266,7 +270,7 @@ def _swap_class(module: nn.Module) -> None:
     cls = module.__class__
     if isinstance(module, FSDPModule):
         return
-    new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    new_cls: type = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
     module.__class__ = new_cls
 
 
@@ -320,6 +324,10 @@ class FSDPModule:
             g.discard_pending()
             g.free()
             g.register_sharded()
+
+    def __deepcopy__(self, memo: dict[Any, Any]) -> Any:
+        """An independent sharded copy: own sharded buffers, parameters, groups and hooks."""
+        return deepcopy_fsdp_module(self, memo)  # type: ignore[arg-type]
 
     def reset_iter_state(self) -> None:
         """Reset training state after an exception mid-iteration (nothing is corrupted)."""
@@ -420,5 +428,5 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         out = orig(self, *args, **kwargs)
         return state.post_forward(self, args, out)
 
-    object.__setattr__(module, method_name, wrapped.__get__(module, type(module)))
+    object.__setattr__(module, method_name, types.MethodType(wrapped, module))
 

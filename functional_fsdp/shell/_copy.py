@@ -1,0 +1,187 @@
+"""``copy.deepcopy`` of a sharded module (FSDP2 refuses; an EMA copy is the usual reason).
+
+The generic deep copy would share the FSDP runtime with the original (hooks are closures over
+the original state, functions are copied by reference) and cannot copy process groups. Instead:
+
+1. the module tree is deep-copied with the FSDP runtime held out (the ``memo`` maps each FSDP
+   state and each sharded parameter to ``None``);
+2. each group is rebuilt from its record with a cloned sharded buffer: new ``DTensor``
+   parameters view into it and are registered on the copied modules;
+3. each copied FSDP module gets a new state and its own forward hooks (and re-wrapped
+   ``register_fsdp_forward_method`` methods). Mesh and communicators are shared: they are
+   process-group handles, not state.
+
+The copy starts idle and un-rooted: its first forward makes it a root, as after ``fully_shard``.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from typing import Any
+
+import attrs
+import torch.nn as nn
+
+from ..errors import StateError
+from ..records import CPUOffloadPolicy, OffloadPolicy, ShardedState
+from .group import ParamGroup, TrainingState
+from .state import FSDPState, hooks_for
+
+__all__ = ["deepcopy_fsdp_module"]
+
+# memo key marking an FSDP deep copy in progress (nested FSDP modules then copy only their dicts)
+_ACTIVE = "_functional_fsdp_deepcopy_states"
+
+# ParamGroup settings (FSDPModule setters) carried over to the copy.
+_GROUP_FLAGS = (
+    "reshard_after_forward",
+    "reshard_after_backward",
+    "requires_gradient_sync",
+    "requires_all_reduce",
+    "divide_factor",
+    "force_sum",
+    "reduce_unused",
+)
+
+
+def deepcopy_fsdp_module(module: nn.Module, memo: dict[Any, Any]) -> nn.Module:
+    """Deep-copy ``module`` (an ``FSDPModule``) into an independent sharded module.
+
+    Args:
+        module: the module to copy.
+        memo: ``copy.deepcopy``'s memo.
+
+    Returns:
+        The copy: same structure and values, its own sharded buffers, parameters, groups, state
+        and hooks. Gradients are copied too; optimizer state is not part of a module.
+
+    Raises:
+        StateError: a group is not idle (mid forward/backward, or inside summon_full_params).
+    """
+    top = _ACTIVE not in memo
+    if top:
+        states = [
+            s for m in module.modules() if (s := getattr(m, "_ffsdp_state", None)) is not None
+        ]
+        groups = _unique_groups(states)
+        for g in groups:
+            if g.training_state is not TrainingState.IDLE:
+                raise StateError(
+                    f"cannot deepcopy {type(module).__name__}: the group of {g.name!r} is in "
+                    f"{g.training_state.value}; copy it outside forward/backward and outside "
+                    "summon_full_params"
+                )
+        memo[_ACTIVE] = states
+        for s in states:
+            memo[id(s)] = None
+        for g in groups:
+            for p in g.params:
+                memo[id(p)] = None
+    new = object.__new__(type(module))
+    memo[id(module)] = new
+    for k, v in module.__dict__.items():
+        new.__dict__[k] = copy.deepcopy(v, memo)
+    if top:
+        try:
+            _rebuild(states, groups, memo)
+        finally:
+            del memo[_ACTIVE]
+    return new
+
+
+def _unique_groups(states: list[FSDPState]) -> list[ParamGroup]:
+    out: dict[int, ParamGroup] = {}
+    for s in states:
+        if s.group is not None:
+            out.setdefault(id(s.group), s.group)
+    return list(out.values())
+
+
+def _copy_record(state: ShardedState) -> ShardedState:
+    grads = None
+    if state.grads is not None:
+        grads = tuple(g.clone() if g is not None else None for g in state.grads)
+    partial = state.partial.clone() if state.partial is not None else None
+    return attrs.evolve(state, flat=state.flat.clone(), grads=grads, partial=partial)
+
+
+def _copy_group(g: ParamGroup, memo: dict[Any, Any]) -> ParamGroup:
+    holders = []
+    for hl in g.holders:
+        row = []
+        for m, n in hl:
+            if id(m) not in memo:
+                raise StateError(
+                    f"cannot deepcopy: parameter {n!r} of the group of {g.name!r} lives on a module "
+                    "outside the module being copied; copy the module passed to fully_shard"
+                )
+            row.append((memo[id(m)], n))
+        holders.append(row)
+    offload = CPUOffloadPolicy() if g.offload else OffloadPolicy()
+    new = ParamGroup(
+        g.layout,
+        _copy_record(g.state),
+        holders,
+        list(g.requires_grad),
+        mesh=g.mesh,
+        comm=g.comm,
+        replicate_comm=g.replicate_comm,
+        sub_comm=g.sub_comm,
+        device=g.device,
+        mp_policy=g.mp_policy,
+        offload_policy=offload,
+        name=g.name,
+    )
+    for flag in _GROUP_FLAGS:
+        setattr(new, flag, getattr(g, flag))
+    if g.accumulated is not None:
+        new.accumulated = [a.clone() if a is not None else None for a in g.accumulated]
+    for old_p, new_p in zip(g.params, new.params):
+        if old_p.grad is not None:
+            new_p.grad = old_p.grad.detach().clone()
+    return new
+
+
+def _closes_over(fn: Any, obj: Any) -> bool:
+    fn = getattr(fn, "__func__", fn)
+    cells = getattr(fn, "__closure__", None) or ()
+    for c in cells:
+        try:
+            if c.cell_contents is obj:
+                return True
+        except ValueError:  # empty cell
+            continue
+    return False
+
+
+def _rebuild(states: list[FSDPState], groups: list[ParamGroup], memo: dict[Any, Any]) -> None:
+    from .api import register_fsdp_forward_method
+
+    new_groups = {id(g): _copy_group(g, memo) for g in groups}
+    new_states: dict[int, FSDPState] = {}
+    for s in states:
+        mod = memo[id(s.module)]
+        ns = FSDPState(
+            mod, new_groups[id(s.group)] if s.group is not None else None, s.mp_policy, s.name
+        )
+        ns.user_reshard_after_forward = s.user_reshard_after_forward
+        ns.is_last_backward = s.is_last_backward
+        mod.__dict__["_ffsdp_state"] = ns
+        new_states[id(s)] = ns
+    for s in states:
+        ns = new_states[id(s)]
+        for attr in ("explicit_forward_prefetch", "explicit_backward_prefetch"):
+            targets = getattr(s, attr)
+            if targets is not None:
+                setattr(ns, attr, [new_states[id(t)] for t in targets if id(t) in new_states])
+        mod = ns.module
+        pre, post = hooks_for(ns)
+        for hooks, fn in ((mod._forward_pre_hooks, pre), (mod._forward_hooks, post)):
+            for key, hook in list(hooks.items()):
+                if _closes_over(hook, s):
+                    hooks[key] = fn
+        for name, value in list(mod.__dict__.items()):
+            if isinstance(value, types.MethodType) and _closes_over(value, s):
+                del mod.__dict__[name]
+                register_fsdp_forward_method(mod, name)
