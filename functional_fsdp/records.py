@@ -261,7 +261,9 @@ class ShardedState:
         if self.grads is None or self.grads[i] is None:
             return None
         length = self.layout.extent(i, self.rank)[1]
-        return self.grads[i].narrow(self.layout.shard_dims[i], 0, length)
+        grad = self.grads[i]
+        assert grad is not None
+        return grad.narrow(self.layout.shard_dims[i], 0, length)
 
 
 @register

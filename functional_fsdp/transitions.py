@@ -356,7 +356,7 @@ def _grad_list(grads: Any, layout: GroupLayout) -> list[torch.Tensor | None]:
         return list(grads)
     if layout.treespec is not None:
         try:
-            return list(layout.treespec.flatten_up_to(grads))
+            return list(layout.treespec.flatten_up_to(grads))  # type: ignore[arg-type]
         except (ValueError, TypeError) as e:
             raise LayoutMismatchError(
                 f"reduce_grad: gradients do not match the structure the state was sharded from "
@@ -480,7 +480,8 @@ def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> Sharded
         else:
             g = out.narrow(0, off, n).view(lay.shard_shapes[i])
             g = g.to(spec.dtype) if g.dtype != spec.dtype else g
-            new.append(g + old[i] if (accumulate and old[i] is not None) else g)
+            prev = old[i]
+            new.append(g + prev if (accumulate and prev is not None) else g)
         off += n
     return attrs.evolve(sharded, grads=tuple(new), partial=partial)
 

@@ -300,7 +300,7 @@ class FSDPModule:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # Indexing a container (nn.Sequential[1:]) builds a new instance: give the original class.
-        orig = cls.__mro__[2]
+        orig: Any = cls.__mro__[2]
         self = orig.__new__(orig)
         self.__init__(*args, **kwargs)
         return self

@@ -144,7 +144,11 @@ class ProcessGroupComm:
             return DoneWork()
         if op == "avg" and self._sum_only:
             w = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            work = _ThenWork([w], lambda: tensor.div_(self._world_size))
+
+            def divide() -> None:
+                tensor.div_(self._world_size)
+
+            work = _ThenWork([w], divide)
         else:
             work = _ThenWork([dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)])
         if not async_op:
