@@ -1,7 +1,9 @@
 """functional_fsdp: fully sharded data parallelism for PyTorch around immutable state."""
 
-from . import errors
+from . import errors, functional
 from .comm import Communicator, Work
+from .functional import TrainState, apply_to_module, make_train_step
+from .functional import init as init_train_state
 from .records import (
     CPUOffloadPolicy,
     GroupLayout,
@@ -40,12 +42,17 @@ __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "ShardedState",
+    "TrainState",
     "UnshardHandle",
     "UnshardedState",
     "Work",
+    "apply_to_module",
     "errors",
     "fully_shard",
+    "functional",
+    "init_train_state",
     "load_checkpoint",
+    "make_train_step",
     "reduce_grad",
     "register_fsdp_forward_method",
     "reshard",

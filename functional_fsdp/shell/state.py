@@ -12,6 +12,7 @@ from torch.autograd import Variable
 
 from ..errors import StateError
 from ..records import MixedPrecisionPolicy
+from . import functional_path
 from .group import ParamGroup, TrainingState
 
 __all__ = ["FSDPState"]
@@ -40,6 +41,12 @@ class FSDPState:
         self.is_last_backward = True
         self.user_reshard_after_forward: bool | int | None = None
         self.in_forward = False
+        # Nesting depth of this state's forward (a forward method registered with
+        # register_fsdp_forward_method that calls forward runs the hooks twice).
+        self.depth = 0
+        # Functional path (issue 4, shell/functional_path.py): this state's record of the
+        # functional forward in progress (None on the ordinary path).
+        self.functional: Any = None
 
     @property
     def is_root(self) -> bool:
@@ -93,6 +100,9 @@ class FSDPState:
                 g.wait_unshard()
                 g.register_full(g.full_outputs if g.full_outputs is not None else g.views)
             return args, kwargs
+        self.depth += 1
+        if self.depth > 1:
+            return args, kwargs
         if self.is_root:
             root.in_forward = True
             for s in root.all_states:
@@ -102,6 +112,10 @@ class FSDPState:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if not root.order_recorded:
             root.forward_order.append(self)
+        # --- functional path (issue 4): functional_call / torch.func with substituted params ---
+        if functional_path.pre_forward(self):
+            return args, kwargs
+        # ---------------------------------------------------------------------------------------
         if g is not None:
             g.training_state = TrainingState.FORWARD
             g.wait_unshard()
@@ -133,13 +147,21 @@ class FSDPState:
         g = self.group
         if _in_backward():
             return output
-        if g is not None:
+        self.depth = max(0, self.depth - 1)
+        if self.depth > 0:
+            return output
+        # --- functional path (issue 4) ---------------------------------------------------------
+        functional = self.functional is not None
+        if functional:
+            output = functional_path.post_forward(self, output)
+        # ---------------------------------------------------------------------------------------
+        if g is not None and not functional:
             g.register_sharded()
             g.reshard_after_forward_now(g.reshard_after_forward)
             g.training_state = TrainingState.IDLE
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not functional:
             tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:
                 torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
@@ -213,6 +235,8 @@ class FSDPState:
             g.full_outputs = None
             g.post_forward = None
             g.training_state = TrainingState.IDLE
+        for s in states:
+            s.depth = 0
         if self.root is not None:
             self.root.callback_queued = False
             self.root.in_forward = False

@@ -1,0 +1,528 @@
+"""The functional path: forward and backward through the parameters the caller passes.
+
+``torch.func.functional_call(model, params, args)`` registers ``params`` on the holder modules
+for the duration of the call. The ordinary shell ignores them (it all-gathers the group's own
+shards), which is what torch FSDP2 does too. Here, when the root's forward starts and any managed
+parameter slot holds something other than the group's own parameter (or a ``torch.func``
+transform is active), the whole forward takes this path: every group all-gathers *the tensors
+registered on its modules*, through an autograd Function whose backward reduce-scatters the
+gradients and **returns** them as sharded ``DTensor`` s (instead of setting ``.grad``), so
+``torch.autograd.grad``, ``torch.func.grad`` and ``torch.func.vjp`` see them.
+
+Memory behaves as in the shell: each call gathers into one fresh buffer per group; after the
+group's forward the buffer's storage is freed (``reshard_after_forward``; the root keeps it), a
+hook on the group's outputs gathers it again just before the group's backward (and starts the
+previous group's re-gather, as the shell prefetches), and the reduction frees it again.
+
+Per-call state lives in :class:`GatherCall` records owned by the autograd graph (and by the
+``FSDPState`` only between the group's pre- and post-forward), never in module-level globals.
+
+The shell calls :func:`pre_forward` / :func:`post_forward` from ``FSDPState`` (two small branches
+in ``shell/state.py``); nothing else in the shell knows about this path.
+
+Transforms (each claim is a test in ``tests/test_functional_step.py``; see
+``docs/functional.md``): ``grad`` and ``vjp`` w.r.t. the parameters, and ``grad``, ``jvp`` and
+``vmap`` w.r.t. the inputs work. ``vmap`` over the sharded parameters, batched gradients
+(``jacrev``, ``vmap(grad(...))``) and higher-order derivatives raise ``NotImplementedError``
+here; forward-mode AD w.r.t. the parameters (``jvp``, ``jacfwd``, ``hessian``) is refused by
+``DTensor`` itself (torch 2.13 has no forward-AD support for ``DTensor`` primals).
+
+Speed: the next group's all-gather is issued when a group's forward starts (plain ``DTensor``
+sources; under a transform the sources are wrapped until the Function runs), backward re-gathers
+are prefetched one group ahead, and :class:`DeferredReductions` lets a caller that owns the
+gradients (the functional training step) overlap the reduce-scatters with the rest of backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch.distributed.tensor import DTensor
+
+from .. import layout as L
+from .. import transitions as T
+from ..records import ShardedState
+
+if TYPE_CHECKING:
+    from .group import ParamGroup
+    from .state import FSDPState
+
+__all__ = [
+    "DeferredReductions",
+    "FunctionalForward",
+    "GatherCall",
+    "post_forward",
+    "pre_forward",
+    "substituted",
+]
+
+
+def substituted(group: ParamGroup) -> bool:
+    """Whether any parameter slot of ``group`` holds a tensor other than the group's own."""
+    for p, holders in zip(group.params, group.holders):
+        module, name = holders[0]
+        if module._parameters.get(name) is not p:
+            return True
+    return False
+
+
+def _wants_functional(states: Sequence[FSDPState]) -> bool:
+    if torch._C._are_functorch_transforms_active():
+        return True
+    return any(s.group is not None and substituted(s.group) for s in states)
+
+
+class FunctionalForward:
+    """The root's record of one functional forward: gathers in order, prefetches in flight."""
+
+    __slots__ = ("calls", "prefetched")
+
+    def __init__(self) -> None:
+        self.calls: list[GatherCall] = []
+        self.prefetched: dict[Any, _Prefetch] = {}
+
+    def drain(self) -> None:
+        """Wait for prefetched all-gathers nobody consumed (every rank issued them)."""
+        for pre in self.prefetched.values():
+            pre.pending.work.wait()
+        self.prefetched.clear()
+
+
+class _Prefetch:
+    """An all-gather issued ahead of a group's forward from the sources then registered."""
+
+    __slots__ = ("pending", "sharded", "sources")
+
+    def __init__(
+        self, sources: tuple[Any, ...], sharded: ShardedState, pending: T.PendingUnshard
+    ) -> None:
+        self.sources = sources
+        self.sharded = sharded
+        self.pending = pending
+
+
+class _Marker:
+    """A state without a group inside a functional forward (nothing to gather)."""
+
+    __slots__ = ()
+
+
+class DeferredReductions:
+    """Opt-in overlap of gradient reductions with the rest of backward.
+
+    Tag the tensors passed to ``functional_call`` with :meth:`tag`; groups whose sources are
+    tagged start their reduce-scatter asynchronously in backward and return sharded gradients
+    whose data is filled in by :meth:`wait`. Read the gradients only after :meth:`wait`, and
+    only when each tagged tensor feeds one group and receives its gradient through
+    ``torch.autograd.grad`` (no ``.grad`` accumulation, no tensor hooks): that is how the
+    functional training step uses it.
+    """
+
+    __slots__ = ("_pending",)
+
+    ATTR = "_ffsdp_deferred_reductions"
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[T.PendingReduce, list[torch.Tensor | None]]] = []
+
+    def tag(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Mark ``tensors`` (the parameters a forward will use) as deferring into ``self``."""
+        for t in tensors:
+            setattr(t, self.ATTR, self)
+
+    def add(self, pending: T.PendingReduce, results: list[torch.Tensor | None]) -> None:
+        """Record a reduction in flight and the tensors its results must land in."""
+        self._pending.append((pending, results))
+
+    def wait(self) -> None:
+        """Finish every reduction in flight (in issue order)."""
+        pending, self._pending = self._pending, []
+        for p, results in pending:
+            new = T.finish_reduce(p, accumulate=False)
+            for i, dst in enumerate(results):
+                src = new.local_grad(i)
+                if dst is None or src is None:
+                    continue
+                if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
+                    dst.copy_(src)
+
+
+# ------------------------------------------------------------------------------ the hooks
+
+
+def pre_forward(state: FSDPState) -> bool:
+    """Take the functional path for ``state``'s forward if this forward is functional.
+
+    Decided once at the root (any substituted slot in any group, or a ``torch.func`` transform
+    active); a state run outside a root forward decides for itself. Returns ``True`` when the
+    path was taken (the shell then skips its own unshard and prefetch).
+    """
+    root = state.root
+    assert root is not None
+    state.functional = None
+    if state.is_root or not root.in_forward:
+        states = root.all_states if state.is_root else [state]
+        if not _wants_functional(states):
+            return False
+        fwd = FunctionalForward()
+        if state.is_root:
+            root.functional = fwd
+    else:
+        rec = root.functional
+        if not isinstance(rec, (FunctionalForward, GatherCall)):
+            return False
+        maybe = rec if isinstance(rec, FunctionalForward) else rec.forward
+        if maybe is None:
+            return False
+        fwd = maybe
+    g = state.group
+    if g is not None:
+        call = GatherCall(g, fwd)
+        sources = tuple(_sources(g))
+        _check_sources(g, sources)
+        call.sources = sources
+        call.prefetch = fwd.prefetched.pop(state, None)
+        fulls = _GatherFn.apply(call, *sources)
+        g.register_full(fulls)
+        fwd.calls.append(call)
+        call.is_root = state.is_root
+        state.functional = call
+    elif not state.is_root:
+        state.functional = _Marker()
+    _prefetch_next(state, fwd)
+    return True
+
+
+def _sources(group: ParamGroup) -> list[Any]:
+    return [holders[0][0]._parameters[holders[0][1]] for holders in group.holders]
+
+
+def _prefetch_next(state: FSDPState, fwd: FunctionalForward) -> None:
+    """Start the next group's all-gather now, as the shell prefetches (plain DTensor sources
+    only: under a ``torch.func`` transform the sources are wrapped until the Function runs)."""
+    for target in state._forward_prefetch_targets():
+        g = target.group
+        if g is None or target in fwd.prefetched or any(c.group is g for c in fwd.calls):
+            continue
+        sources = tuple(_sources(g))
+        if not all(isinstance(s, DTensor) for s in sources):
+            continue
+        try:
+            _check_sources(g, sources)
+        except (TypeError, ValueError):
+            continue  # raised, with the parameter's name, when that group's forward runs
+        sharded = _pack(g, sources)
+        fwd.prefetched[target] = _Prefetch(
+            sources, sharded, T.begin_unshard(sharded, g.comm, async_op=True)
+        )
+
+
+def post_forward(state: FSDPState, output: Any) -> Any:
+    """Put the caller's tensors back on the modules, reshard, hook the re-gather for backward."""
+    rec = state.functional
+    state.functional = None
+    root = state.root
+    if state.is_root or (root is not None and not root.in_forward):
+        # The state that opened this functional forward closes it.
+        fwd = rec.forward if isinstance(rec, GatherCall) else rec
+        if isinstance(fwd, FunctionalForward):
+            fwd.drain()
+            fwd.calls.clear()  # the graph keeps the calls it needs (no reference cycle)
+    if not isinstance(rec, GatherCall):
+        return output
+    rec.forward = None
+    g = rec.group
+    for src, holders in zip(rec.sources, g.holders):
+        for m, n in holders:
+            m._parameters[n] = src  # type: ignore[assignment]
+    rec.sources = ()
+    tensors = []
+    if torch.is_grad_enabled():
+        tensors = [
+            t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+    if not tensors:
+        # Nothing saved for backward: drop the buffer (outputs aliasing it keep it alive).
+        rec.buffer = None
+        return output
+    if g.reshard_after_forward is not False:
+        rec.free()
+    torch.autograd.graph.register_multi_grad_hook(tensors, rec.pre_backward_hook, mode="any")
+    return output
+
+
+# ------------------------------------------------------------------------------ the gather
+
+
+class GatherCall:
+    """One group's gather during one functional forward (owned by that forward's graph).
+
+    Attributes:
+        group: the group's runtime (layout, communicators, specs).
+        forward: the functional forward this gather belongs to (until its post-forward).
+        sources: the tensors registered on the modules at pre-forward (restored at post-forward).
+        sharded: the sources' shards packed as a :class:`ShardedState` (the gather input, kept
+            for the re-gather in backward and the reduction's layout).
+        buffer: the unsharded buffer the full parameters view into (storage freed when resharded).
+        deferred: where reductions go when the sources were tagged by
+            :class:`DeferredReductions` (``None``: reduce synchronously).
+    """
+
+    __slots__ = (
+        "buffer",
+        "deferred",
+        "forward",
+        "group",
+        "is_root",
+        "pending",
+        "prefetch",
+        "prev",
+        "sharded",
+        "sources",
+    )
+
+    def __init__(self, group: ParamGroup, forward: FunctionalForward) -> None:
+        self.group = group
+        self.forward: FunctionalForward | None = forward
+        self.prev: GatherCall | None = forward.calls[-1] if forward.calls else None
+        self.sources: tuple[Any, ...] = ()
+        self.sharded: ShardedState | None = None
+        self.buffer: torch.Tensor | None = None
+        self.pending: T.PendingUnshard | None = None
+        self.prefetch: _Prefetch | None = None
+        self.deferred: DeferredReductions | None = None
+        self.is_root = False
+
+    # forward
+
+    def gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """All-gather the (unwrapped) sources into a fresh buffer; return the full views."""
+        pre, self.prefetch = self.prefetch, None
+        if pre is not None and all(a is b for a, b in zip(pre.sources, sources)):
+            self.sharded, pending = pre.sharded, pre.pending
+        else:
+            if pre is not None:
+                pre.pending.work.wait()
+            self.sharded = _pack(self.group, sources)
+            pending = T.begin_unshard(self.sharded, self.group.comm, async_op=False)
+        tags = [getattr(s, DeferredReductions.ATTR, None) for s in sources]
+        if tags and all(t is tags[0] for t in tags):
+            self.deferred = tags[0]
+        unsharded = T.finish_unshard(pending)
+        self.buffer = unsharded.buffer
+        return unsharded.params
+
+    def free(self) -> None:
+        """Free the buffer's storage (views saved by autograd stay valid objects)."""
+        buf = self.buffer
+        if buf is not None and buf.untyped_storage().size() != 0:
+            buf.untyped_storage().resize_(0)
+
+    # backward
+
+    def start_regather(self) -> None:
+        """Issue the re-gather (async) unless the buffer is live or one is in flight."""
+        buf = self.buffer
+        if buf is None or self.pending is not None or buf.untyped_storage().size() != 0:
+            return
+        assert self.sharded is not None
+        self.pending = T.begin_unshard(self.sharded, self.group.comm, async_op=True)
+
+    def ensure_gathered(self) -> None:
+        """Make the buffer hold the full parameters again (after :meth:`free`)."""
+        buf = self.buffer
+        if buf is None or buf.untyped_storage().size() != 0:
+            return
+        self.start_regather()
+        pending, self.pending = self.pending, None
+        assert pending is not None
+        pending.work.wait()
+        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
+            T.copy_out(self.group.layout, pending.output, buf)
+
+    def pre_backward_hook(self, _grad: Any) -> None:
+        """Before this group's backward: gather again; prefetch the previous group's re-gather."""
+        self.ensure_gathered()
+        if self.prev is not None and not self.prev.is_root:
+            self.prev.start_regather()
+
+    def reduce(self, grads: Sequence[torch.Tensor | None]) -> tuple[DTensor | None, ...]:
+        """Reduce-scatter full gradients; the sharded gradients as ``DTensor`` s (``None`` kept)."""
+        g = self.group
+        assert self.sharded is not None
+        grads = [gr if rg else None for gr, rg in zip(grads, g.requires_grad)]
+        if g.reshard_after_backward:
+            self.free()
+        if not any(gr is not None for gr in grads):
+            return (None,) * len(grads)
+        deferred = self.deferred
+        pending = T.begin_reduce(
+            grads,
+            self.sharded,
+            g.comm,
+            replicate_comm=g.replicate_comm,
+            divide_factor=g.divide_factor,
+            force_sum=g.force_sum,
+            reduce_unused=g.reduce_unused,
+            async_op=deferred is not None,
+        )
+        if deferred is not None:
+            locals_ = _deferred_results(pending)
+            deferred.add(pending, locals_)
+        else:
+            new = T.finish_reduce(pending, accumulate=False)
+            locals_ = [new.local_grad(i) for i in range(len(g.layout))]
+        return tuple(None if loc is None else g._dtensor(loc, i) for i, loc in enumerate(locals_))
+
+
+def _deferred_results(pending: T.PendingReduce) -> list[torch.Tensor | None]:
+    """Where :meth:`DeferredReductions.wait` puts each sharded gradient: views of the
+    reduce-scatter output when ``finish_reduce`` will return exactly those (same dtype, no
+    post-division, no replica all-reduce), fresh tensors otherwise."""
+    sharded, out = pending.sharded, pending.output
+    lay = sharded.layout
+    direct = (
+        pending.replicate_comm is None
+        and (pending.factors.post is None or pending.factors.post == 1)
+        and all(s.dtype == out.dtype for s in lay.specs)
+    )
+    results: list[torch.Tensor | None] = []
+    off = 0
+    for i, spec in enumerate(lay.specs):
+        n = L.prod(lay.shard_shapes[i])
+        if not pending.present[i]:
+            results.append(None)
+        else:
+            length = lay.extent(i, sharded.rank)[1]
+            if direct:
+                full = out.narrow(0, off, n).view(lay.shard_shapes[i])
+            else:
+                full = torch.empty(lay.shard_shapes[i], dtype=spec.dtype, device=out.device)
+            results.append(full.narrow(lay.shard_dims[i], 0, length))
+        off += n
+    return results
+
+
+def _local(group: ParamGroup, t: torch.Tensor, i: int) -> torch.Tensor:
+    spec = group.layout.specs[i]
+    if isinstance(t, DTensor):
+        if tuple(t.placements) != tuple(group._placements[i]) or t.device_mesh != group.mesh:
+            raise ValueError(
+                f"functional_call on a sharded module: the tensor for {spec.fqn!r} of {group.name} has placements "
+                f"{tuple(t.placements)} on {t.device_mesh}; it must have the placement of the "
+                f"module's own parameter, {tuple(group._placements[i])} on {group.mesh}"
+            )
+        return t._local_tensor
+    raise TypeError(
+        f"functional_call on a sharded module: the tensor for {spec.fqn!r} of {group.name} is a "
+        f"{type(t).__name__}; pass a DTensor with the placement of the module's own parameter "
+        f"({tuple(group._placements[i])}), e.g. a detached copy of model.get_parameter({spec.fqn!r})"
+    )
+
+
+def _check_sources(group: ParamGroup, sources: Sequence[Any]) -> None:
+    for i, (src, spec) in enumerate(zip(sources, group.layout.specs)):
+        if not isinstance(src, torch.Tensor):
+            raise TypeError(
+                f"functional_call on a sharded module: {spec.fqn!r} of {group.name} is a {type(src).__name__}"
+            )
+        if tuple(src.shape) != spec.shape:
+            raise ValueError(
+                f"functional_call on a sharded module: the tensor for {spec.fqn!r} of {group.name} has shape "
+                f"{tuple(src.shape)}, the parameter's global shape is {spec.shape}"
+            )
+        if isinstance(src, DTensor) or not _functorch_wrapped(src):
+            _local(group, src, i)  # raises for a wrong placement or a plain tensor
+
+
+def _functorch_wrapped(t: torch.Tensor) -> bool:
+    return torch._C._functorch.is_functorch_wrapped_tensor(
+        t
+    ) or torch._C._functorch.is_batchedtensor(t)
+
+
+def _pack(group: ParamGroup, sources: Sequence[torch.Tensor]) -> ShardedState:
+    """The sources' local shards packed in the group's storage layout (zero-copy when they are
+    the group's own parameters)."""
+    if all(s is p for s, p in zip(sources, group.params)):
+        return group.state
+    lay = group.layout
+    locals_ = [_local(group, s, i) for i, s in enumerate(sources)]
+    device = locals_[0].device if locals_ else group.device
+    flat = torch.zeros(lay.storage.total, dtype=lay.storage_dtype, device=device)
+    state = ShardedState(lay, group.state.rank, flat)
+    with torch.no_grad():
+        dst = [state.local(i) for i in range(len(lay))]
+        src = [loc.detach() for loc in locals_]
+        pairs = [(d, s) for d, s in zip(dst, src) if d.numel() > 0]
+        if pairs:
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+    return state
+
+
+# ------------------------------------------------------------------------------ autograd
+
+
+class _GatherFn(torch.autograd.Function):
+    """Forward: all-gather the sources. Backward: reduce-scatter (through :class:`_ReduceFn`).
+
+    Written in the ``setup_context`` style so ``torch.func`` transforms can run it.
+    """
+
+    @staticmethod
+    def forward(call: GatherCall, *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return call.gather(sources)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        call = inputs[0]
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        frozen = [o for o, rg in zip(output, call.group.requires_grad) if not rg]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        # Under torch.func the grads arrive wrapped at the transform's level: a second Function
+        # unwraps them, runs the collective on plain tensors and wraps the sharded results.
+        return (None, *_ReduceFn.apply(ctx.call, *grads))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, call: GatherCall, *sources: torch.Tensor) -> Any:
+        raise NotImplementedError(
+            "vmap over the parameters of a sharded module (e.g. model ensembling) is not "
+            "supported: each parameter is one DTensor shard per rank. vmap over the inputs works "
+            "(pass the parameters unbatched, in_dims=None)"
+        )
+
+
+class _ReduceFn(torch.autograd.Function):
+    """Forward: reduce-scatter full gradients into sharded ``DTensor`` gradients."""
+
+    @staticmethod
+    def forward(call: GatherCall, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        return call.reduce(grads)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        raise NotImplementedError(
+            "higher-order derivatives (grad of grad, hessian) through a sharded module are not "
+            "supported: the gradient reduce-scatter has no registered derivative"
+        )
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, call: GatherCall, *grads: Any) -> Any:
+        raise NotImplementedError(
+            "batched gradients through a sharded module (jacrev/jacfwd over parameters, "
+            "per-sample gradients with vmap(grad(...))) are not supported: the reduce-scatter "
+            "runs once per backward. Use grad/vjp per example, or vmap over inputs only"
+        )
