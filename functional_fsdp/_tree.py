@@ -12,7 +12,17 @@ from typing import Any, TypeVar
 import optree
 from optree.integrations import attrs as _optree_attrs
 
-__all__ = ["NAMESPACE", "STATIC", "field", "frozen", "register", "tree_flatten", "tree_leaves", "tree_map", "tree_unflatten"]
+__all__ = [
+    "NAMESPACE",
+    "STATIC",
+    "field",
+    "frozen",
+    "register",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+]
 
 NAMESPACE = "functional_fsdp"
 
@@ -36,7 +46,9 @@ def register(cls: _T) -> _T:
 def frozen(cls: Any = None, **kwargs: Any) -> Any:
     """``optree.integrations.attrs.frozen`` in :data:`NAMESPACE` (children and metadata by field)."""
     kwargs.setdefault("namespace", NAMESPACE)
-    return _optree_attrs.frozen(cls, **kwargs) if cls is not None else _optree_attrs.frozen(**kwargs)
+    return (
+        _optree_attrs.frozen(cls, **kwargs) if cls is not None else _optree_attrs.frozen(**kwargs)
+    )
 
 
 field = _optree_attrs.field

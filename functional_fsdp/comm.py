@@ -54,7 +54,9 @@ class Communicator(Protocol):
         """Ranks in the group."""
         ...
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
         """Gather ``input`` (1-D) of every rank into ``output`` (1-D, rank-major, ``ws * n``)."""
         ...
 

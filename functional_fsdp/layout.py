@@ -58,7 +58,9 @@ def shard_extents(dim_size: int, world_size: int) -> tuple[tuple[int, int], ...]
     return tuple(shard_extent(dim_size, world_size, r) for r in range(world_size))
 
 
-def check_shard_dim(shape: Sequence[int], shard_dim: int, world_size: int, *, name: str = "tensor") -> int:
+def check_shard_dim(
+    shape: Sequence[int], shard_dim: int, world_size: int, *, name: str = "tensor"
+) -> int:
     """Validate a shard dimension for ``shape``; returns it normalised to be non-negative.
 
     Raises:

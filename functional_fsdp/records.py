@@ -118,12 +118,23 @@ class GroupLayout:
         dims = tuple(L.check_shard_dim(s.shape, s.shard_dim, world_size, name=s.fqn) for s in specs)
         shard_shapes = tuple(L.sharded_shape(s.shape, d, world_size) for s, d in zip(specs, dims))
         gather_dtypes = tuple(
-            param_dtype if (param_dtype is not None and _floating(s.dtype)) else s.dtype for s in specs
+            param_dtype if (param_dtype is not None and _floating(s.dtype)) else s.dtype
+            for s in specs
         )
         numels = tuple(L.prod(sh) for sh in shard_shapes)
         storage = _pack(numels, tuple(s.dtype for s in specs))
         gather = _pack(numels, gather_dtypes)
-        return cls(specs, world_size, dims, shard_shapes, gather_dtypes, reduce_dtype, storage, gather, treespec)
+        return cls(
+            specs,
+            world_size,
+            dims,
+            shard_shapes,
+            gather_dtypes,
+            reduce_dtype,
+            storage,
+            gather,
+            treespec,
+        )
 
     def __len__(self) -> int:
         return len(self.specs)
@@ -167,7 +178,13 @@ class GroupLayout:
         shape[self.shard_dims[i]] *= self.world_size
         return tuple(shape)
 
-    def check_full(self, tensors: Sequence[torch.Tensor | None], *, what: str, dtypes: Sequence[torch.dtype] | None = None) -> None:
+    def check_full(
+        self,
+        tensors: Sequence[torch.Tensor | None],
+        *,
+        what: str,
+        dtypes: Sequence[torch.dtype] | None = None,
+    ) -> None:
         """Raise :class:`LayoutMismatchError` unless ``tensors`` match the full shapes."""
         if len(tensors) != len(self.specs):
             raise LayoutMismatchError(
@@ -182,7 +199,9 @@ class GroupLayout:
                     f"{what}: {s.fqn!r} has shape {tuple(t.shape)} but the layout expects {s.shape}"
                 )
             if dtypes is not None and t.dtype != dtypes[i]:
-                raise LayoutMismatchError(f"{what}: {s.fqn!r} has dtype {t.dtype}, expected {dtypes[i]}")
+                raise LayoutMismatchError(
+                    f"{what}: {s.fqn!r} has dtype {t.dtype}, expected {dtypes[i]}"
+                )
 
 
 def _pack(numels: tuple[int, ...], dtypes: tuple[torch.dtype, ...]) -> L.PackLayout:
@@ -228,7 +247,9 @@ class ShardedState:
     def __attrs_post_init__(self) -> None:
         lay = self.layout
         if not 0 <= self.rank < lay.world_size:
-            raise LayoutMismatchError(f"rank {self.rank} is outside the layout's world of {lay.world_size}")
+            raise LayoutMismatchError(
+                f"rank {self.rank} is outside the layout's world of {lay.world_size}"
+            )
         _check_flat(self.flat, lay.storage.total, lay.storage_dtype, "ShardedState.flat")
         if self.grads is not None:
             if len(self.grads) != len(lay.specs):
@@ -286,7 +307,9 @@ class UnshardedState:
     buffer: torch.Tensor | None = None
 
     def __attrs_post_init__(self) -> None:
-        self.layout.check_full(self.params, what="UnshardedState.params", dtypes=self.layout.gather_dtypes)
+        self.layout.check_full(
+            self.params, what="UnshardedState.params", dtypes=self.layout.gather_dtypes
+        )
         if self.source is not None and self.source.layout != self.layout:
             raise LayoutMismatchError("UnshardedState.source has a different layout than the state")
 
@@ -323,7 +346,12 @@ class PostForwardState:
     def __attrs_post_init__(self) -> None:
         L.check_sub_group_size(self.group_size, self.layout.world_size)
         per = self.layout.world_size // self.group_size
-        _check_flat(self.rows, per * self.layout.gather.total, self.layout.gather_buffer_dtype, "PostForwardState.rows")
+        _check_flat(
+            self.rows,
+            per * self.layout.gather.total,
+            self.layout.gather_buffer_dtype,
+            "PostForwardState.rows",
+        )
 
     @property
     def sub_rank(self) -> int:
@@ -353,9 +381,15 @@ class MixedPrecisionPolicy:
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
     """
 
-    param_dtype: torch.dtype | None = attrs.field(default=None, validator=_check_dtype("param_dtype"))
-    reduce_dtype: torch.dtype | None = attrs.field(default=None, validator=_check_dtype("reduce_dtype"))
-    output_dtype: torch.dtype | None = attrs.field(default=None, validator=_check_dtype("output_dtype"))
+    param_dtype: torch.dtype | None = attrs.field(
+        default=None, validator=_check_dtype("param_dtype")
+    )
+    reduce_dtype: torch.dtype | None = attrs.field(
+        default=None, validator=_check_dtype("reduce_dtype")
+    )
+    output_dtype: torch.dtype | None = attrs.field(
+        default=None, validator=_check_dtype("output_dtype")
+    )
     cast_forward_inputs: bool = True
 
     @classmethod
@@ -367,7 +401,10 @@ class MixedPrecisionPolicy:
             return policy
         try:
             return cls(
-                policy.param_dtype, policy.reduce_dtype, policy.output_dtype, bool(policy.cast_forward_inputs)
+                policy.param_dtype,
+                policy.reduce_dtype,
+                policy.output_dtype,
+                bool(policy.cast_forward_inputs),
             )
         except AttributeError as e:
             raise PolicyError(
@@ -391,7 +428,9 @@ class OffloadPolicy:
             return CPUOffloadPolicy(pin_memory=bool(policy.pin_memory))
         if name == "OffloadPolicy":
             return cls()
-        raise PolicyError(f"offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got {name}")
+        raise PolicyError(
+            f"offload_policy must be an OffloadPolicy or CPUOffloadPolicy, got {name}"
+        )
 
 
 @attrs.frozen

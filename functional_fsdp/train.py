@@ -13,6 +13,7 @@ resident memory of every rank.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import os
@@ -32,16 +33,22 @@ from .testing.models import GPT, GPTConfig, pattern_batch
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m functional_fsdp.train", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m functional_fsdp.train", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--world-size", type=int, default=2, help="ranks to spawn when not under torchrun")
+    ap.add_argument(
+        "--world-size", type=int, default=2, help="ranks to spawn when not under torchrun"
+    )
     ap.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bfloat16)")
+    ap.add_argument(
+        "--bf16", action="store_true", help="MixedPrecisionPolicy(param_dtype=bfloat16)"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     return ap.parse_args(argv)
 
@@ -49,7 +56,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def _bar(step: int, total: int, loss: float, ms: float) -> None:
     width = 30
     done = int(width * step / total)
-    sys.stdout.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total}  loss {loss:7.4f}  {ms:7.1f} ms/step")
+    sys.stdout.write(
+        f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total}  loss {loss:7.4f}  {ms:7.1f} ms/step"
+    )
     sys.stdout.flush()
     if step == total:
         sys.stdout.write("\n")
@@ -57,13 +66,17 @@ def _bar(step: int, total: int, loss: float, ms: float) -> None:
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
     """Train on this rank (the process group is initialised); returns this rank's summary."""
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # RSS follows live tensors
-    except OSError:
-        pass
     torch.set_num_threads(args.threads)
     rank, ws = dist.get_rank(), dist.get_world_size()
-    cfg = GPTConfig(vocab=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=max(1, args.dim // 64), seq=args.seq)
+    cfg = GPTConfig(
+        vocab=args.vocab,
+        dim=args.dim,
+        n_layers=args.layers,
+        n_heads=max(1, args.dim // 64),
+        seq=args.seq,
+    )
     torch.manual_seed(0)
     model = GPT(cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -71,7 +84,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     if args.bf16:
         from .records import MixedPrecisionPolicy
 
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        kw["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     for block in model.blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
@@ -108,7 +123,9 @@ def _summary(rows: list[dict[str, Any]]) -> None:
     tok_s = r0["tokens_per_step"] / (r0["step_ms"] / 1e3)
     print("== functional_fsdp training summary ==")
     print(f"world size        {len(rows)} (gloo, CPU)")
-    print(f"parameters        {r0['params'] / 1e6:.2f} M total, {r0['local_params'] / 1e6:.2f} M per rank (sharded)")
+    print(
+        f"parameters        {r0['params'] / 1e6:.2f} M total, {r0['local_params'] / 1e6:.2f} M per rank (sharded)"
+    )
     print(f"loss              {r0['first_loss']:.4f} -> {r0['final_loss']:.4f}")
     print(f"step time         {r0['step_ms']:.1f} ms (median), {tok_s:,.0f} tokens/s")
     for r in rows:
@@ -117,7 +134,9 @@ def _summary(rows: list[dict[str, Any]]) -> None:
 
 def _spawned(rank: int, ws: int, port: int, args: argparse.Namespace, q: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=120)
+    )
     try:
         q.put(train(args))
     finally:
@@ -141,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_spawned, args=(r, args.world_size, port, args, q)) for r in range(args.world_size)]
+    procs = [
+        ctx.Process(target=_spawned, args=(r, args.world_size, port, args, q))
+        for r in range(args.world_size)
+    ]
     for p in procs:
         p.start()
     try:

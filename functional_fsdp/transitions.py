@@ -102,8 +102,13 @@ def shard(
     for f, t in zip(fqns, leaves):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"shard: leaf {f!r} is a {type(t).__name__}, not a torch.Tensor")
-    specs = [ParamSpec(f, tuple(t.shape), t.dtype, bool(t.requires_grad), d) for f, t, d in zip(fqns, leaves, dims)]
-    lay = GroupLayout.build(specs, world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype, treespec=spec)
+    specs = [
+        ParamSpec(f, tuple(t.shape), t.dtype, bool(t.requires_grad), d)
+        for f, t, d in zip(fqns, leaves, dims)
+    ]
+    lay = GroupLayout.build(
+        specs, world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype, treespec=spec
+    )
     return shard_tensors(leaves, lay, rank)
 
 
@@ -169,14 +174,18 @@ def begin_unshard(
     elif isinstance(state, PostForwardState):
         _check_comm(comm, state.group_size, "unshard of a PostForwardState (its sub-group)")
         if comm.rank != state.sub_rank:
-            raise MeshError(f"unshard: sub-group communicator rank {comm.rank} != state sub-rank {state.sub_rank}")
+            raise MeshError(
+                f"unshard: sub-group communicator rank {comm.rank} != state sub-rank {state.sub_rank}"
+            )
         inp, source = state.rows, state.source
     else:
         raise StateError(
             f"unshard expects a ShardedState or PostForwardState, got {type(state).__name__}; "
             "an UnshardedState is already unsharded"
         )
-    out = torch.empty(lay.world_size * lay.gather.total, dtype=lay.gather_buffer_dtype, device=inp.device)
+    out = torch.empty(
+        lay.world_size * lay.gather.total, dtype=lay.gather_buffer_dtype, device=inp.device
+    )
     if lay.world_size == 1:
         out.copy_(inp)
         work: Work = DoneWork()
@@ -243,7 +252,11 @@ def _full_region(layout: GroupLayout, buf: torch.Tensor, i: int) -> torch.Tensor
 def _full_view(layout: GroupLayout, buf: torch.Tensor, i: int) -> torch.Tensor:
     spec, dim = layout.specs[i], layout.shard_dims[i]
     if dim == 0:
-        return _full_region(layout, buf, i).view(layout.padded_full_shape(i)).narrow(0, 0, spec.shape[0])
+        return (
+            _full_region(layout, buf, i)
+            .view(layout.padded_full_shape(i))
+            .narrow(0, 0, spec.shape[0])
+        )
     return _full_region(layout, buf, i).view(spec.shape)
 
 
@@ -275,7 +288,9 @@ def unshard(state: ShardedState | PostForwardState, comm: Communicator) -> Unsha
 # ------------------------------------------------------------------------------------- reshard
 
 
-def reshard(unsharded: UnshardedState, *, group_size: int | None = None) -> ShardedState | PostForwardState:
+def reshard(
+    unsharded: UnshardedState, *, group_size: int | None = None
+) -> ShardedState | PostForwardState:
     """Drop the full tensors.
 
     Args:
@@ -291,13 +306,17 @@ def reshard(unsharded: UnshardedState, *, group_size: int | None = None) -> Shar
         )
     lay = unsharded.layout
     if unsharded.source is None:
-        raise StateError("reshard: this UnshardedState has no sharded source; use writeback(unsharded, sharded)")
+        raise StateError(
+            "reshard: this UnshardedState has no sharded source; use writeback(unsharded, sharded)"
+        )
     if group_size is None or group_size == lay.world_size:
         return unsharded.source
     L.check_sub_group_size(group_size, lay.world_size)
     per = lay.world_size // group_size
     first = (unsharded.rank % group_size) * per
-    rows = torch.empty(per * lay.gather.total, dtype=lay.gather_buffer_dtype, device=_device(unsharded.params))
+    rows = torch.empty(
+        per * lay.gather.total, dtype=lay.gather_buffer_dtype, device=_device(unsharded.params)
+    )
     rows.zero_()
     for j in range(per):
         row = rows.narrow(0, j * lay.gather.total, lay.gather.total)
@@ -335,11 +354,15 @@ def writeback(unsharded: UnshardedState, sharded: ShardedState | None = None) ->
         raise StateError(f"writeback expects an UnshardedState, got {type(unsharded).__name__}")
     sharded = sharded if sharded is not None else unsharded.source
     if sharded is None:
-        raise StateError("writeback: pass the ShardedState to write into (the unsharded state has no source)")
+        raise StateError(
+            "writeback: pass the ShardedState to write into (the unsharded state has no source)"
+        )
     if not isinstance(sharded, ShardedState):
         raise StateError(f"writeback writes into a ShardedState, got {type(sharded).__name__}")
     if sharded.layout != unsharded.layout:
-        raise LayoutMismatchError("writeback: the sharded and unsharded states have different layouts")
+        raise LayoutMismatchError(
+            "writeback: the sharded and unsharded states have different layouts"
+        )
     fresh = shard_tensors(
         [p.to(s.dtype) for p, s in zip(unsharded.params, sharded.layout.specs)],
         sharded.layout,
@@ -352,7 +375,9 @@ def writeback(unsharded: UnshardedState, sharded: ShardedState | None = None) ->
 
 
 def _grad_list(grads: Any, layout: GroupLayout) -> list[torch.Tensor | None]:
-    if isinstance(grads, (list, tuple)) and all(g is None or isinstance(g, torch.Tensor) for g in grads):
+    if isinstance(grads, (list, tuple)) and all(
+        g is None or isinstance(g, torch.Tensor) for g in grads
+    ):
         return list(grads)
     if layout.treespec is not None:
         try:
@@ -434,12 +459,17 @@ def begin_reduce(
     lay = sharded.layout
     _check_comm(comm, lay.world_size, "reduce_grad")
     glist = _grad_list(grads, lay)
-    present = tuple((g is not None) or (reduce_unused and s.requires_grad) for g, s in zip(glist, lay.specs))
+    present = tuple(
+        (g is not None) or (reduce_unused and s.requires_grad) for g, s in zip(glist, lay.specs)
+    )
     rdtype = lay.grad_reduce_dtype()
     ar_size = replicate_comm.world_size if replicate_comm is not None else 1
     factors = L.divide_factors(
-        lay.world_size, ar_size, overflow_risk=rdtype not in (torch.float32, torch.bfloat16, torch.float64),
-        factor=divide_factor, force_sum=force_sum,
+        lay.world_size,
+        ar_size,
+        overflow_risk=rdtype not in (torch.float32, torch.bfloat16, torch.float64),
+        factor=divide_factor,
+        force_sum=force_sum,
     )
     inp = pack_grads(glist, lay, device=sharded.flat.device)
     if factors.pre is not None and factors.pre != 1:
@@ -517,8 +547,15 @@ def reduce_grad(
         accumulate: add to existing sharded grads instead of replacing them.
     """
     pending = begin_reduce(
-        grads, sharded, comm, replicate_comm=replicate_comm, divide_factor=divide_factor,
-        force_sum=force_sum, all_reduce=all_reduce, reduce_unused=reduce_unused, async_op=False,
+        grads,
+        sharded,
+        comm,
+        replicate_comm=replicate_comm,
+        divide_factor=divide_factor,
+        force_sum=force_sum,
+        all_reduce=all_reduce,
+        reduce_unused=reduce_unused,
+        async_op=False,
     )
     return finish_reduce(pending, accumulate=accumulate)
 

@@ -31,9 +31,13 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+    )
     try:
         while True:
             item = inbox.get()
@@ -67,7 +71,11 @@ class World:
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            ctx.Process(target=_worker, args=(r, self.world_size, port, self._inboxes[r], self._outbox), daemon=True)
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self._inboxes[r], self._outbox),
+                daemon=True,
+            )
             for r in range(self.world_size)
         ]
         for p in self._procs:
@@ -89,7 +97,9 @@ class World:
                     break
         except queue.Empty:
             self.close(force=True)
-            raise RankError(f"{fn.__name__}: timed out after {timeout}s; ranks done: {sorted(results)}") from None
+            raise RankError(
+                f"{fn.__name__}: timed out after {timeout}s; ranks done: {sorted(results)}"
+            ) from None
         if failures:
             self.close(force=True)
             text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))

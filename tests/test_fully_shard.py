@@ -11,10 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _dist import World
 
 from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch
-
-from _dist import World
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -51,7 +50,9 @@ def _mesh(recipe: str):
     from torch.distributed.device_mesh import init_device_mesh
 
     if recipe == "hsdp":
-        return init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(
+            "cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard")
+        )
     return None
 
 
@@ -74,7 +75,9 @@ def _build(which: str, recipe: str, cfg: GPTConfig = CFG) -> nn.Module:
     if recipe == "shard1":
         from torch.distributed.tensor import Shard
 
-        kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % dist.get_world_size() == 0 else None
+        kw["shard_placement_fn"] = lambda p: (
+            Shard(1) if p.ndim == 2 and p.shape[1] % dist.get_world_size() == 0 else None
+        )
     mesh = _mesh(recipe)
     if mesh is not None:
         kw["mesh"] = mesh
@@ -110,7 +113,13 @@ def _optimizer(params, kind: str) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-def _train(model: nn.Module, recipe: str, steps: int = STEPS, rank: int | None = None, opt_kind: str = "adamw") -> list[float]:
+def _train(
+    model: nn.Module,
+    recipe: str,
+    steps: int = STEPS,
+    rank: int | None = None,
+    opt_kind: str = "adamw",
+) -> list[float]:
     rank = dist.get_rank() if rank is None else rank
     opt = _optimizer(model.parameters(), opt_kind)
     losses = []
@@ -133,13 +142,20 @@ def _train(model: nn.Module, recipe: str, steps: int = STEPS, rank: int | None =
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for n, p in model.named_parameters():
-        out[n.replace("._checkpoint_wrapped_module", "")] = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        out[n.replace("._checkpoint_wrapped_module", "")] = (
+            p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
+        )
     return out
 
 
 def _max_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
-    return max(((a[k].float() - b[k].float()).abs().max() / a[k].float().abs().max().clamp_min(1e-12)).item() for k in a)
+    return max(
+        (
+            (a[k].float() - b[k].float()).abs().max() / a[k].float().abs().max().clamp_min(1e-12)
+        ).item()
+        for k in a
+    )
 
 
 # ----------------------------------------------------------------------------- cases (ranks)
@@ -150,7 +166,11 @@ def case_parity(recipe: str) -> dict:
     lt = _train(torch_model, recipe)
     ours = _build("ours", recipe)
     lo = _train(ours, recipe)
-    return {"torch": lt, "ours": lo, "param_rel": _max_rel(_full_params(torch_model), _full_params(ours))}
+    return {
+        "torch": lt,
+        "ours": lo,
+        "param_rel": _max_rel(_full_params(torch_model), _full_params(ours)),
+    }
 
 
 def case_single_process_reference(recipe: str) -> dict:
@@ -174,7 +194,11 @@ def case_single_process_reference(recipe: str) -> dict:
     # Each rank's loss is the mean over its own batch: the global loss is their mean.
     lo_t = torch.tensor(lo)
     dist.all_reduce(lo_t)
-    return {"ours": (lo_t / ws).tolist(), "ref": lr, "param_rel": _max_rel(_full_params(ref), _full_params(ours))}
+    return {
+        "ours": (lo_t / ws).tolist(),
+        "ref": lr,
+        "param_rel": _max_rel(_full_params(ref), _full_params(ours)),
+    }
 
 
 def case_peak_unsharded(recipe: str) -> int:
@@ -232,7 +256,10 @@ def case_errors() -> list[str]:
     expect(errors.ScalarParameterError, lambda: fully_shard(Scalar()))
     from torch.distributed.tensor import Shard
 
-    expect(errors.IndivisibleError, lambda: fully_shard(nn.Linear(3, 3), shard_placement_fn=lambda p: Shard(1)))
+    expect(
+        errors.IndivisibleError,
+        lambda: fully_shard(nn.Linear(3, 3), shard_placement_fn=lambda p: Shard(1)),
+    )
 
     # Tied parameter across two groups.
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
@@ -320,7 +347,9 @@ def _check(res: dict, key: str, tol: float) -> None:
     assert res["param_rel"] <= tol, res["param_rel"]
 
 
-@pytest.mark.parametrize("recipe", ["default", "raf_false", "offload", "accum", "meta", "ckpt", "shard1"])
+@pytest.mark.parametrize(
+    "recipe", ["default", "raf_false", "offload", "accum", "meta", "ckpt", "shard1"]
+)
 def test_parity_with_torch_fsdp2_fp32(world2: World, recipe: str) -> None:
     for res in world2.run(case_parity, recipe):
         _check(res, "torch", 1e-5)
@@ -368,4 +397,3 @@ def test_parity_four_ranks(world4: World, recipe: str) -> None:
 def test_four_ranks_single_process_reference(world4: World) -> None:
     for res in world4.run(case_single_process_reference, "hsdp"):
         _check(res, "ref", 1e-5)
-

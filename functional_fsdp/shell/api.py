@@ -115,7 +115,9 @@ def fully_shard(
 
     group = None
     if params:
-        group = _build_group(params, holders, fqns, mesh, raf, shard_placement_fn, mp, offload, name)
+        group = _build_group(
+            params, holders, fqns, mesh, raf, shard_placement_fn, mp, offload, name
+        )
         for p in params:
             setattr(p, _OWNER_ATTR, name)
     state = FSDPState(modules[0], group, mp, name)
@@ -161,7 +163,9 @@ def _validate_reshard(value: bool | int | None, shard_size: int) -> bool | int:
     if value is None or isinstance(value, bool):
         return True if value is None else value
     if not isinstance(value, int):
-        raise PolicyError(f"reshard_after_forward must be a bool, an int or None, got {type(value).__name__}")
+        raise PolicyError(
+            f"reshard_after_forward must be a bool, an int or None, got {type(value).__name__}"
+        )
     check_sub_group_size(value, shard_size)
     if value == 1:
         warnings.warn(
@@ -200,10 +204,14 @@ def _build_group(
             placement = shard_placement_fn(p)
             if placement is not None:
                 if not isinstance(placement, Shard):
-                    raise PolicyError(f"shard_placement_fn must return Shard(i) or None, got {placement!r}")
+                    raise PolicyError(
+                        f"shard_placement_fn must return Shard(i) or None, got {placement!r}"
+                    )
                 dim = placement.dim
         specs.append(ParamSpec(fqns[id(p)], tuple(p.shape), p.dtype, p.requires_grad, dim))
-    layout = GroupLayout.build(specs, shard_size, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+    layout = GroupLayout.build(
+        specs, shard_size, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype
+    )
     if mp.reduce_dtype is not None and mp.reduce_dtype == mp.param_dtype:
         layout = GroupLayout.build(specs, shard_size, param_dtype=mp.param_dtype, reduce_dtype=None)
     device = _compute_device(mesh)
@@ -213,7 +221,11 @@ def _build_group(
     state = shard_tensors(src, layout, rank)
     from ..records import CPUOffloadPolicy
 
-    if isinstance(offload, CPUOffloadPolicy) and state.flat.device.type != "cpu" and not state.flat.is_meta:
+    if (
+        isinstance(offload, CPUOffloadPolicy)
+        and state.flat.device.type != "cpu"
+        and not state.flat.is_meta
+    ):
         flat = state.flat.cpu()
         if offload.pin_memory and torch.cuda.is_available():
             flat = flat.pin_memory()
@@ -222,7 +234,9 @@ def _build_group(
         state = attrs.evolve(state, flat=flat)
     comm = ProcessGroupComm(mesh.get_group(-1) if mesh.ndim == 2 else mesh.get_group())
     rep = ProcessGroupComm(mesh.get_group(0)) if mesh.ndim == 2 else None
-    sub = _sub_group_comm(mesh, raf) if (isinstance(raf, int) and not isinstance(raf, bool)) else None
+    sub = (
+        _sub_group_comm(mesh, raf) if (isinstance(raf, int) and not isinstance(raf, bool)) else None
+    )
     return ParamGroup(
         layout,
         state,
@@ -337,7 +351,9 @@ class FSDPModule:
         """Whether the next backward is the last of the iteration (root only)."""
         self._ffsdp_state.is_last_backward = is_last_backward
 
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
         """Reduce gradients in backward (``True``) or accumulate them unsharded (``False``)."""
         for s in _states(self, recurse):  # type: ignore[arg-type]
             if s.group is not None:
@@ -352,13 +368,17 @@ class FSDPModule:
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (bool only, as in FSDP2)."""
         if not isinstance(reshard_after_forward, bool):
-            raise PolicyError(f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}")
+            raise PolicyError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}"
+            )
         for s in _states(self, recurse):  # type: ignore[arg-type]
             s.user_reshard_after_forward = reshard_after_forward
             if s.group is not None:
                 s.group.reshard_after_forward = reshard_after_forward
 
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
         """Free the unsharded parameters after backward (default ``True``)."""
         for s in _states(self, recurse):  # type: ignore[arg-type]
             if s.group is not None:
@@ -412,13 +432,17 @@ class FSDPModule:
 def _check_fsdp_modules(modules: Iterable[Any]) -> None:
     for m in modules:
         if not isinstance(m, FSDPModule):
-            raise StateError(f"expected modules passed to fully_shard, got {type(m).__name__}; fully_shard it first")
+            raise StateError(
+                f"expected modules passed to fully_shard, got {type(m).__name__}; fully_shard it first"
+            )
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Run FSDP's pre/post-forward around ``module.method_name`` (e.g. ``generate``)."""
     if not isinstance(module, FSDPModule):
-        raise StateError(f"{type(module).__name__} is not an FSDP module; call fully_shard on it first")
+        raise StateError(
+            f"{type(module).__name__} is not an FSDP module; call fully_shard on it first"
+        )
     orig = getattr(type(module), method_name)
     state = module._ffsdp_state
 
@@ -429,4 +453,3 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return state.post_forward(self, args, out)
 
     object.__setattr__(module, method_name, types.MethodType(wrapped, module))
-

@@ -72,7 +72,9 @@ class ProcessGroupComm:
         """Ranks in the group."""
         return self._world_size
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
         """Rank-major all-gather of 1-D ``input`` into ``output``."""
         if self._world_size == 1:
             output.copy_(input)
@@ -100,7 +102,9 @@ class ProcessGroupComm:
             output.copy_(input)
             return DoneWork()
         if not self._p2p and not (self._sum_only and op == "avg"):
-            w = dist.reduce_scatter_tensor(output, input, op=_OPS[op], group=self.group, async_op=async_op)
+            w = dist.reduce_scatter_tensor(
+                output, input, op=_OPS[op], group=self.group, async_op=async_op
+            )
             return _done(w, async_op)
         if self._p2p:
             # Send chunk j to rank j, receive this rank's chunk from every peer: the bytes of a
@@ -109,8 +113,13 @@ class ProcessGroupComm:
             chunks = input.view(ws, n)
             peers = [r for r in range(ws) if r != self._rank]
             received = torch.empty(len(peers), n, dtype=input.dtype, device=input.device)
-            ops = [dist.P2POp(dist.isend, chunks[r], self._global_ranks[r], self.group) for r in peers]
-            ops += [dist.P2POp(dist.irecv, received[k], self._global_ranks[r], self.group) for k, r in enumerate(peers)]
+            ops = [
+                dist.P2POp(dist.isend, chunks[r], self._global_ranks[r], self.group) for r in peers
+            ]
+            ops += [
+                dist.P2POp(dist.irecv, received[k], self._global_ranks[r], self.group)
+                for k, r in enumerate(peers)
+            ]
             works = dist.batch_isend_irecv(ops)
 
             def then() -> None:
@@ -150,7 +159,9 @@ class ProcessGroupComm:
 
             work = _ThenWork([w], divide)
         else:
-            work = _ThenWork([dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)])
+            work = _ThenWork(
+                [dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)]
+            )
         if not async_op:
             work.wait()
         return work

@@ -21,7 +21,13 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import transitions as T
 from ..comm import Communicator
-from ..records import CPUOffloadPolicy, GroupLayout, MixedPrecisionPolicy, OffloadPolicy, ShardedState
+from ..records import (
+    CPUOffloadPolicy,
+    GroupLayout,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    ShardedState,
+)
 
 __all__ = ["ParamGroup", "TrainingState"]
 
@@ -92,11 +98,16 @@ class ParamGroup:
             ((Replicate(), Shard(d)) if hsdp else (Shard(d),)) for d in layout.shard_dims
         ]
         self._specs = [
-            DTensorSpec(mesh, pl, tensor_meta=TensorMeta(torch.Size(s.shape), _contiguous_stride(s.shape), s.dtype))
+            DTensorSpec(
+                mesh,
+                pl,
+                tensor_meta=TensorMeta(torch.Size(s.shape), _contiguous_stride(s.shape), s.dtype),
+            )
             for s, pl in zip(layout.specs, self._placements)
         ]
         self.params: list[nn.Parameter] = [
-            nn.Parameter(self._dtensor(state.local(i), i), requires_grad=rg) for i, rg in enumerate(requires_grad)
+            nn.Parameter(self._dtensor(state.local(i), i), requires_grad=rg)
+            for i, rg in enumerate(requires_grad)
         ]
         self.requires_grad = tuple(requires_grad)
         self.register_sharded()
@@ -145,9 +156,13 @@ class ParamGroup:
         parameter's local tensor into it, so the all-gather input stays zero-copy.
         """
         params: list[Any] = [holders[0][0]._parameters[holders[0][1]] for holders in self.holders]
-        locals_: list[torch.Tensor] = [p._local_tensor if isinstance(p, DTensor) else p for p in params]
+        locals_: list[torch.Tensor] = [
+            p._local_tensor if isinstance(p, DTensor) else p for p in params
+        ]
         device = locals_[0].device if locals_ else self.device
-        flat = torch.zeros(self.layout.storage.total, dtype=self.layout.storage_dtype, device=device)
+        flat = torch.zeros(
+            self.layout.storage.total, dtype=self.layout.storage_dtype, device=device
+        )
         state = ShardedState(self.layout, self.state.rank, flat)
         with torch.no_grad():
             for i, loc in enumerate(locals_):
@@ -156,7 +171,9 @@ class ParamGroup:
         new_params = []
         for i, p in enumerate(params):
             if not isinstance(p, nn.Parameter) or not isinstance(p, DTensor):
-                p = nn.Parameter(self._dtensor(state.local(i), i), requires_grad=self.requires_grad[i])
+                p = nn.Parameter(
+                    self._dtensor(state.local(i), i), requires_grad=self.requires_grad[i]
+                )
             else:
                 p._local_tensor = state.local(i)  # type: ignore[attr-defined]
             new_params.append(p)
@@ -195,7 +212,9 @@ class ParamGroup:
         buf = self._alloc_buffer(pending.output)
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
             T.copy_out(self.layout, pending.output, buf)
-        if isinstance(self.reshard_after_forward, int) and not isinstance(self.reshard_after_forward, bool):
+        if isinstance(self.reshard_after_forward, int) and not isinstance(
+            self.reshard_after_forward, bool
+        ):
             self.gather_output = pending.output
         self.post_forward = None
         self.is_unsharded = True
@@ -256,12 +275,14 @@ class ParamGroup:
             rdtype = self.layout.grad_reduce_dtype()
             acc = self.accumulated or [None] * len(grads)
             self.accumulated = [
-                (a if g is None else (g.to(rdtype, copy=True) if a is None else a.add_(g))) for a, g in zip(acc, grads)
+                (a if g is None else (g.to(rdtype, copy=True) if a is None else a.add_(g)))
+                for a, g in zip(acc, grads)
             ]
         else:
             if self.accumulated is not None:
                 grads = [
-                    (a if g is None else (g if a is None else a.add_(g))) for a, g in zip(self.accumulated, grads)
+                    (a if g is None else (g if a is None else a.add_(g)))
+                    for a, g in zip(self.accumulated, grads)
                 ]
                 self.accumulated = None
             if any(g is not None for g in grads):

@@ -25,7 +25,13 @@ def _in_backward() -> bool:
 class FSDPState:
     """State of one module passed to ``fully_shard``: its group (if any) and root bookkeeping."""
 
-    def __init__(self, module: nn.Module, group: ParamGroup | None, mp_policy: MixedPrecisionPolicy, name: str) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        group: ParamGroup | None,
+        mp_policy: MixedPrecisionPolicy,
+        name: str,
+    ) -> None:
         self.module = module
         self.group = group
         self.mp_policy = mp_policy
@@ -162,9 +168,15 @@ class FSDPState:
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         if torch.is_grad_enabled() and not functional:
-            tensors = [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            tensors = [
+                t
+                for t in pytree.tree_leaves(output)
+                if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
             if tensors:
-                torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+                torch.autograd.graph.register_multi_grad_hook(
+                    tensors, self._pre_backward, mode="any"
+                )
         if self.is_root:
             self.order_recorded = True
             self.in_forward = False

@@ -63,7 +63,9 @@ class SimulatedComm:
         """Ranks in the group."""
         return len(self._group.ranks)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Work:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
         """Rank-major gather of every rank's 1-D ``input`` into ``output``."""
         values = self._group._exchange(self._rank, input.detach().clone())
         torch.cat([v.reshape(-1) for v in values], out=output.view(-1))
@@ -118,7 +120,9 @@ class SimulatedWorld:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if mesh_shape is not None and mesh_shape[0] * mesh_shape[1] != world_size:
-            raise ValueError(f"mesh_shape {mesh_shape} does not multiply to world_size {world_size}")
+            raise ValueError(
+                f"mesh_shape {mesh_shape} does not multiply to world_size {world_size}"
+            )
         self.world_size = world_size
         self.mesh_shape = mesh_shape
         self.world = SimulatedGroup(range(world_size))
@@ -151,7 +155,9 @@ class SimulatedWorld:
         r, s = self._mesh()
         return self.group(range(rank % s, r * s, s)).comm(rank)
 
-    def sub_group_comm(self, rank: int, size: int, *, within: Sequence[int] | None = None) -> SimulatedComm:
+    def sub_group_comm(
+        self, rank: int, size: int, *, within: Sequence[int] | None = None
+    ) -> SimulatedComm:
         """Communicator over the consecutive ``size``-rank block containing ``rank``."""
         base = list(within) if within is not None else list(range(self.world_size))
         idx = base.index(rank)
@@ -180,7 +186,9 @@ class SimulatedWorld:
                 for g in list(self._groups.values()):
                     g.abort()
 
-        threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.world_size)]
+        threads = [
+            threading.Thread(target=body, args=(r,), daemon=True) for r in range(self.world_size)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -191,7 +199,14 @@ class SimulatedWorld:
                 self._groups[key] = SimulatedGroup(key)
                 if key == tuple(range(self.world_size)):
                     self.world = self._groups[key]
-        first = next((e for e in errors if e is not None and not isinstance(e, threading.BrokenBarrierError)), None)
+        first = next(
+            (
+                e
+                for e in errors
+                if e is not None and not isinstance(e, threading.BrokenBarrierError)
+            ),
+            None,
+        )
         first = first or next((e for e in errors if e is not None), None)
         if first is not None:
             raise first
