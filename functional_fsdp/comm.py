@@ -5,7 +5,13 @@ The core never imports ``torch.distributed``: a transition that needs a collecti
 (real process groups, gloo or NCCL) and :class:`functional_fsdp.testing.SimulatedWorld` (N ranks
 as threads of one process).
 
-Reductions are named by strings: ``"sum"`` or ``"avg"``. Every collective may run asynchronously
+Reductions are named by strings: ``"sum"`` or ``"avg"``.
+
+A communicator may also offer *pieces* collectives (``supports_pieces = True``):
+``all_gather_pieces(outputs, inputs)`` (``outputs[r][i]`` receives rank ``r``'s ``inputs[i]``) and
+``reduce_scatter_pieces(outputs, inputs, op)`` (``outputs[i]`` receives the reduction over ranks
+of their ``inputs[rank][i]``). The core then gathers straight into the unsharded buffer and sends
+gradient rows without packing them; otherwise it packs and uses the three collectives below. Every collective may run asynchronously
 (``async_op=True`` returns a :class:`Work`); the output is valid only after ``wait()``.
 """
 

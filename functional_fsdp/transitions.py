@@ -154,19 +154,45 @@ def pack_for_gather(state: ShardedState) -> torch.Tensor:
 
 @attrs.frozen(eq=False)
 class PendingUnshard:
-    """An all-gather in flight; :func:`finish_unshard` turns it into an :class:`UnshardedState`."""
+    """An all-gather in flight; :func:`finish_unshard` turns it into an :class:`UnshardedState`.
+
+    ``output`` is the padded rank-major all-gather output, or ``None`` when the pieces were
+    gathered straight into ``into`` (no copy-out needed).
+    """
 
     layout: GroupLayout
     rank: int
-    output: torch.Tensor
+    output: torch.Tensor | None
     work: Work
     source: ShardedState | None
+    into: torch.Tensor | None = None
+
+
+def _uniform_dim0(layout: GroupLayout) -> bool:
+    return layout.gather.uniform and all(d == 0 for d in layout.shard_dims)
+
+
+def _supports_pieces(comm: Communicator) -> bool:
+    return bool(getattr(comm, "supports_pieces", False))
 
 
 def begin_unshard(
-    state: ShardedState | PostForwardState, comm: Communicator, *, async_op: bool = True
+    state: ShardedState | PostForwardState,
+    comm: Communicator,
+    *,
+    async_op: bool = True,
+    into: torch.Tensor | None = None,
 ) -> PendingUnshard:
-    """Issue the group's one all-gather (over the sub-group for a :class:`PostForwardState`)."""
+    """Issue the group's one all-gather (over the sub-group for a :class:`PostForwardState`).
+
+    Args:
+        state: what to gather.
+        comm: the shard group (or the sub-group of a :class:`PostForwardState`).
+        async_op: return before the collective completes.
+        into: the buffer the full parameters will live in (``world_size * gather.total``
+            elements). With a communicator that ``supports_pieces``, a sharded state of a uniform
+            dim-0 group is gathered straight into it, parameter by parameter (no copy-out).
+    """
     lay = state.layout
     if isinstance(state, ShardedState):
         _check_comm(comm, lay.world_size, "unshard")
@@ -183,6 +209,21 @@ def begin_unshard(
             f"unshard expects a ShardedState or PostForwardState, got {type(state).__name__}; "
             "an UnshardedState is already unsharded"
         )
+    if (
+        into is not None
+        and isinstance(state, ShardedState)
+        and lay.world_size > 1
+        and _uniform_dim0(lay)
+        and _supports_pieces(comm)
+    ):
+        ws, pack = lay.world_size, lay.gather
+        sends = [inp.narrow(0, o, n) for o, n in zip(pack.offsets, pack.sizes)]
+        regions = [
+            into.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)
+        ]
+        recvs = [[reg[r] for reg in regions] for r in range(ws)]
+        pieces = comm.all_gather_pieces(recvs, sends, async_op=async_op)  # type: ignore[attr-defined]
+        return PendingUnshard(lay, state.rank, None, pieces, source, into)
     out = torch.empty(
         lay.world_size * lay.gather.total, dtype=lay.gather_buffer_dtype, device=inp.device
     )
@@ -203,6 +244,15 @@ def finish_unshard(pending: PendingUnshard, *, into: torch.Tensor | None = None)
             passes its persistent unsharded buffer so views saved by autograd stay valid.
     """
     pending.work.wait()
+    if pending.output is None:
+        buf = pending.into
+        assert buf is not None
+        if into is not None and into is not buf:
+            into.copy_(buf)
+            buf = into
+        return UnshardedState(
+            pending.layout, pending.rank, full_views(pending.layout, buf), pending.source, buf
+        )
     params, buffer = full_from_gather(pending.layout, pending.output, into=into)
     return UnshardedState(pending.layout, pending.rank, params, pending.source, buffer)
 
@@ -471,6 +521,43 @@ def begin_reduce(
         factor=divide_factor,
         force_sum=force_sum,
     )
+    ws = lay.world_size
+    if (
+        ws > 1
+        and _supports_pieces(comm)
+        and all(d == 0 for d in lay.shard_dims)
+        and factors.pre in (None, 1)
+        and factors.premul is None
+        and all(
+            g is not None
+            and g.dtype == rdtype
+            and g.is_contiguous()
+            and g.device == sharded.flat.device
+            for g in glist
+        )
+        and all(present)
+    ):
+        # Send each rank its rows of each gradient straight from the gradient tensors; receive
+        # this rank's rows into the (padded) output regions. No packed copy of the gradients.
+        numels = [L.prod(sh) for sh in lay.shard_shapes]
+        out = torch.empty(sum(numels), dtype=rdtype, device=sharded.flat.device)
+        sends: list[list[torch.Tensor]] = [[] for _ in range(ws)]
+        outs: list[torch.Tensor] = []
+        off = 0
+        for i, g in enumerate(glist):
+            assert g is not None
+            row = L.prod(lay.shard_shapes[i][1:])
+            for r in range(ws):
+                start, length = lay.extent(i, r)
+                sends[r].append(g.narrow(0, start, length).reshape(-1))
+            mine = lay.extent(i, comm.rank)[1] * row
+            region_i = out.narrow(0, off, numels[i])
+            if mine < numels[i]:
+                region_i.narrow(0, mine, numels[i] - mine).zero_()
+            outs.append(region_i.narrow(0, 0, mine))
+            off += numels[i]
+        pieces = comm.reduce_scatter_pieces(outs, sends, op=factors.op, async_op=async_op)  # type: ignore[attr-defined]
+        return PendingReduce(sharded, out, pieces, factors, present, replicate_comm, all_reduce)
     inp = pack_grads(glist, lay, device=sharded.flat.device)
     if factors.pre is not None and factors.pre != 1:
         inp.div_(factors.pre)

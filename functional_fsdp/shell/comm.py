@@ -61,6 +61,115 @@ class ProcessGroupComm:
         self.backend = backend
         self._p2p = strategy == "p2p" or (strategy == "auto" and backend == "gloo")
         self._sum_only = backend == "gloo"
+        # Point-to-point calls of different collectives may be in flight together (a prefetch
+        # all-gather beside a reduce-scatter): each call gets its own tag range. Every rank
+        # issues collectives in the same order, so the counters agree.
+        self._calls = 0
+
+    @property
+    def supports_pieces(self) -> bool:
+        """Whether the pieces collectives are native here (point-to-point on gloo)."""
+        return self._p2p
+
+    def _tags(self, count: int) -> int:
+        base = (self._calls % 4096) * 65536
+        self._calls += 1
+        if count > 65536:
+            raise ValueError(f"too many pieces in one collective ({count})")
+        return base
+
+    def all_gather_pieces(
+        self,
+        outputs: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        *,
+        async_op: bool = False,
+    ) -> Work:
+        """``outputs[r][i]`` receives rank ``r``'s ``inputs[i]`` (this rank's: a local copy)."""
+        me, ws = self._rank, self._world_size
+        if ws == 1:
+            for o, t in zip(outputs[me], inputs):
+                o.copy_(t)
+            return DoneWork()
+        base = self._tags(len(inputs))
+        ops = []
+        for r in range(ws):
+            if r == me:
+                continue
+            peer = self._global_ranks[r]
+            for i, t in enumerate(inputs):
+                if t.numel():
+                    ops.append(dist.P2POp(dist.isend, t, peer, self.group, base + i))
+            for i, o in enumerate(outputs[r]):
+                if o.numel():
+                    ops.append(dist.P2POp(dist.irecv, o, peer, self.group, base + i))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        # The local copy runs while the peers' pieces are on the wire.
+        for o, t in zip(outputs[me], inputs):
+            o.copy_(t)
+        work = _ThenWork(works)
+        if not async_op:
+            work.wait()
+        return work
+
+    def reduce_scatter_pieces(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[list[torch.Tensor]],
+        *,
+        op: str = "sum",
+        async_op: bool = False,
+    ) -> Work:
+        """``outputs[i]`` receives the reduction over ranks of their ``inputs[rank][i]``.
+
+        Sums run in rank order (two ranks: ``a + b``, which is commutative bit for bit).
+        """
+        me, ws = self._rank, self._world_size
+        own = inputs[me]
+        base = self._tags(len(outputs))
+        peers = [r for r in range(ws) if r != me]
+        # Two ranks receive straight into the outputs; more ranks receive into a temporary so
+        # the sum can run in rank order.
+        if ws == 2:
+            slots = [list(outputs)]
+        else:
+            total = sum(o.numel() for o in outputs)
+            tmp = torch.empty(len(peers), total, dtype=outputs[0].dtype, device=outputs[0].device)
+            slots = []
+            for k in range(len(peers)):
+                row, off = tmp[k], 0
+                views = []
+                for o in outputs:
+                    views.append(row.narrow(0, off, o.numel()))
+                    off += o.numel()
+                slots.append(views)
+        ops = []
+        for k, r in enumerate(peers):
+            peer = self._global_ranks[r]
+            for i, t in enumerate(inputs[r]):
+                if t.numel():
+                    ops.append(dist.P2POp(dist.isend, t, peer, self.group, base + i))
+            for i, o in enumerate(slots[k]):
+                if o.numel():
+                    ops.append(dist.P2POp(dist.irecv, o, peer, self.group, base + i))
+
+        def then() -> None:
+            for i, out in enumerate(outputs):
+                if ws == 2:
+                    out.add_(own[i])
+                else:
+                    parts = [slots[k][i] for k in range(len(peers))]
+                    parts.insert(me, own[i])
+                    torch.add(parts[0], parts[1], out=out)
+                    for p in parts[2:]:
+                        out.add_(p)
+                if op == "avg":
+                    out.div_(ws)
+
+        work = _ThenWork(dist.batch_isend_irecv(ops) if ops else [], then)
+        if not async_op:
+            work.wait()
+        return work
 
     @property
     def rank(self) -> int:
@@ -113,11 +222,13 @@ class ProcessGroupComm:
             chunks = input.view(ws, n)
             peers = [r for r in range(ws) if r != self._rank]
             received = torch.empty(len(peers), n, dtype=input.dtype, device=input.device)
+            tag = self._tags(1)
             ops = [
-                dist.P2POp(dist.isend, chunks[r], self._global_ranks[r], self.group) for r in peers
+                dist.P2POp(dist.isend, chunks[r], self._global_ranks[r], self.group, tag)
+                for r in peers
             ]
             ops += [
-                dist.P2POp(dist.irecv, received[k], self._global_ranks[r], self.group)
+                dist.P2POp(dist.irecv, received[k], self._global_ranks[r], self.group, tag)
                 for k, r in enumerate(peers)
             ]
             works = dist.batch_isend_irecv(ops)

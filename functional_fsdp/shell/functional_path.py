@@ -340,6 +340,7 @@ class GatherCall:
         pending, self.pending = self.pending, None
         assert pending is not None
         pending.work.wait()
+        assert pending.output is not None  # gathered without `into`: the packed path
         buf.untyped_storage().resize_(buf.numel() * buf.element_size())
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
             T.copy_out(self.group.layout, pending.output, buf)

@@ -9,6 +9,7 @@ is the backward of the unshard (:class:`_UnshardFn`).
 
 from __future__ import annotations
 
+import contextlib
 import enum
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,13 @@ from ..records import (
 )
 
 __all__ = ["ParamGroup", "TrainingState"]
+
+
+def _preserve_version(t: torch.Tensor | None) -> Any:
+    """Filling the unsharded buffer must not bump the version autograd saved with its views."""
+    if t is None:
+        return contextlib.nullcontext()
+    return torch.autograd._unsafe_preserve_version_counter(t)
 
 
 class TrainingState(enum.Enum):
@@ -190,10 +198,20 @@ class ParamGroup:
         if self.is_unsharded or self.pending is not None:
             return
         if self.post_forward is not None and self.sub_comm is not None:
-            src, comm = self.post_forward, self.sub_comm
-        else:
-            src, comm = self._gather_source(), self.comm
-        self.pending = T.begin_unshard(src, comm, async_op=True)
+            self.pending = T.begin_unshard(self.post_forward, self.sub_comm, async_op=True)
+            return
+        into = None
+        if not self._keeps_gather_output():
+            # Gather straight into the unsharded buffer when the communicator can (no copy-out).
+            into = self._alloc_buffer()
+        with torch.no_grad(), _preserve_version(into):
+            self.pending = T.begin_unshard(
+                self._gather_source(), self.comm, async_op=True, into=into
+            )
+
+    def _keeps_gather_output(self) -> bool:
+        raf = self.reshard_after_forward
+        return isinstance(raf, int) and not isinstance(raf, bool)
 
     def _gather_source(self) -> ShardedState:
         if self.offload and self.state.flat.device != self.device:
@@ -209,20 +227,22 @@ class ParamGroup:
         assert pending is not None
         self.pending = None
         pending.work.wait()
-        buf = self._alloc_buffer(pending.output)
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-            T.copy_out(self.layout, pending.output, buf)
-        if isinstance(self.reshard_after_forward, int) and not isinstance(
-            self.reshard_after_forward, bool
-        ):
-            self.gather_output = pending.output
+        if pending.output is not None:
+            buf = self._alloc_buffer()
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
+                T.copy_out(self.layout, pending.output, buf)
+            if self._keeps_gather_output():
+                self.gather_output = pending.output
         self.post_forward = None
         self.is_unsharded = True
 
-    def _alloc_buffer(self, like: torch.Tensor) -> torch.Tensor:
+    def _alloc_buffer(self) -> torch.Tensor:
+        lay = self.layout
         if self.buffer is None:
-            self.buffer = torch.empty_like(like)
-            self.views = T.full_views(self.layout, self.buffer)
+            self.buffer = torch.empty(
+                lay.world_size * lay.gather.total, dtype=lay.gather_buffer_dtype, device=self.device
+            )
+            self.views = T.full_views(lay, self.buffer)
         else:
             storage = self.buffer.untyped_storage()
             nbytes = self.buffer.numel() * self.buffer.element_size()
@@ -232,6 +252,10 @@ class ParamGroup:
 
     def free(self) -> None:
         """Free the unsharded buffer's storage (views saved by autograd stay valid objects)."""
+        if self.pending is not None and self.pending.into is not None:
+            # A gather in flight writes into this buffer: let it land before freeing.
+            self.pending.work.wait()
+            self.pending = None
         if self.buffer is not None and self.buffer.untyped_storage().size() != 0:
             self.buffer.untyped_storage().resize_(0)
         self.is_unsharded = False
@@ -252,6 +276,8 @@ class ParamGroup:
         if self.pending is not None:
             self.pending.work.wait()
             self.pending = None
+            if not self.is_unsharded:
+                self.free()
 
     def unsharded_outputs(self) -> tuple[torch.Tensor, ...]:
         """Autograd-tracked full tensors for this forward (the backward reduces gradients)."""

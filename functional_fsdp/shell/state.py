@@ -42,6 +42,9 @@ class FSDPState:
         # Root-only bookkeeping.
         self.all_states: list[FSDPState] = []
         self.forward_order: list[FSDPState] = []
+        # Backward runs in reverse post-forward order (the root finishes forward last and
+        # starts backward first; then the last block).
+        self.post_forward_order: list[FSDPState] = []
         self.order_recorded = False
         self.callback_queued = False
         self.is_last_backward = True
@@ -161,6 +164,9 @@ class FSDPState:
         if functional:
             output = functional_path.post_forward(self, output)
         # ---------------------------------------------------------------------------------------
+        root = self.root
+        if root is not None and not root.order_recorded:
+            root.post_forward_order.append(self)
         if g is not None and not functional:
             g.register_sharded()
             g.reshard_after_forward_now(g.reshard_after_forward)
@@ -209,13 +215,12 @@ class FSDPState:
         root = self.root
         if root is None:
             return []
-        order = root.forward_order
+        order = root.post_forward_order[::-1]
         try:
             i = order.index(self)
         except ValueError:
             return []
-        prev = [s for s in reversed(order[:i]) if s.group is not None and s is not root]
-        return prev[:1]
+        return [s for s in order[i + 1 :] if s.group is not None][:1]
 
     def _final_callback(self) -> None:
         """Root: finish every group (reductions, groups that got no gradient) and go idle."""
