@@ -32,3 +32,23 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 def _deterministic_seed() -> None:
     """Every test starts from the same torch RNG state."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def world2():
+    """A real 2-rank gloo world shared by every case of one test module."""
+    from _dist import World
+
+    w = World(2)
+    yield w
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def world4():
+    """A real 4-rank gloo world shared by every case of one test module."""
+    from _dist import World
+
+    w = World(4)
+    yield w
+    w.close()

@@ -33,20 +33,6 @@ CFG = GPTConfig(vocab=37, dim=12, n_layers=2, n_heads=2, seq=8)
 GLOBAL_BATCH = 4
 
 
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = World(4)
-    yield w
-    w.close()
-
-
 # ----------------------------------------------------------------------------- model (ranks)
 
 

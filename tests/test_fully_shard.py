@@ -21,20 +21,6 @@ CFG = GPTConfig(vocab=101, dim=30, n_layers=3, n_heads=2, seq=8)
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = World(4)
-    yield w
-    w.close()
-
-
 # ----------------------------------------------------------------------------- helpers (ranks)
 
 

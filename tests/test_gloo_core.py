@@ -9,7 +9,6 @@ within ``1e-6`` (float32; low-precision dtypes within one or two of their ulps).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,20 +30,6 @@ pytestmark = pytest.mark.multiprocess
 
 STRATEGIES = ("auto", "native")
 BF16, FP16 = torch.bfloat16, torch.float16
-
-
-@pytest.fixture(scope="module")
-def world2() -> Iterator[World]:
-    world = World(2)
-    yield world
-    world.close()
-
-
-@pytest.fixture(scope="module")
-def world4() -> Iterator[World]:
-    world = World(4)
-    yield world
-    world.close()
 
 
 def _worlds(request: pytest.FixtureRequest, ws: int) -> World:

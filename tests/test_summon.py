@@ -28,20 +28,6 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 VOCAB, DIM, HID, OUT = 7, 6, 5, 3
 
 
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def world4():
-    w = World(4)
-    yield w
-    w.close()
-
-
 @pytest.fixture(params=[2, 4], ids=["ws2", "ws4"])
 def world(request):
     return request.getfixturevalue(f"world{request.param}")
