@@ -18,8 +18,9 @@ _TIMEOUT_S = 60.0
 class SimulatedGroup:
     """A group of simulated ranks with its own rendezvous (one per sub-group / mesh dim)."""
 
-    def __init__(self, ranks: Sequence[int]) -> None:
+    def __init__(self, ranks: Sequence[int], *, pieces: bool = False) -> None:
         self.ranks = tuple(ranks)
+        self.pieces = pieces
         self._barrier = threading.Barrier(len(self.ranks), timeout=_TIMEOUT_S)
         self._slots: list[Any] = [None] * len(self.ranks)
         self.calls = 0
@@ -62,6 +63,40 @@ class SimulatedComm:
     def world_size(self) -> int:
         """Ranks in the group."""
         return len(self._group.ranks)
+
+    @property
+    def supports_pieces(self) -> bool:
+        """Whether this world offers the optional pieces collectives (``pieces=True``)."""
+        return self._group.pieces
+
+    def all_gather_pieces(
+        self,
+        outputs: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        *,
+        async_op: bool = False,
+    ) -> Work:
+        """``outputs[r][i]`` receives rank ``r``'s ``inputs[i]``."""
+        values = self._group._exchange(self._rank, [t.detach().clone() for t in inputs])
+        for r, vals in enumerate(values):
+            for o, v in zip(outputs[r], vals):
+                o.copy_(v)
+        return DoneWork()
+
+    def reduce_scatter_pieces(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[list[torch.Tensor]],
+        *,
+        op: str = "sum",
+        async_op: bool = False,
+    ) -> Work:
+        """``outputs[i]`` receives the reduction (rank order) of every rank's ``inputs[rank][i]``."""
+        mine = [[t.detach().clone() for t in row] for row in inputs]
+        values = self._group._exchange(self._rank, mine)
+        for i, out in enumerate(outputs):
+            out.copy_(_reduce([v[self._rank][i] for v in values], op))
+        return DoneWork()
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
@@ -114,9 +149,13 @@ class SimulatedWorld:
     Args:
         world_size: number of simulated ranks.
         mesh_shape: optional 2-D ``(replicate, shard)`` shape for HSDP; ranks are row-major.
+        pieces: offer the optional pieces collectives (as ``ProcessGroupComm`` does on gloo), so
+            the core takes its unpacked paths.
     """
 
-    def __init__(self, world_size: int, *, mesh_shape: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self, world_size: int, *, mesh_shape: tuple[int, int] | None = None, pieces: bool = False
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         if mesh_shape is not None and mesh_shape[0] * mesh_shape[1] != world_size:
@@ -125,7 +164,8 @@ class SimulatedWorld:
             )
         self.world_size = world_size
         self.mesh_shape = mesh_shape
-        self.world = SimulatedGroup(range(world_size))
+        self.pieces = pieces
+        self.world = SimulatedGroup(range(world_size), pieces=pieces)
         self._groups: dict[tuple[int, ...], SimulatedGroup] = {tuple(range(world_size)): self.world}
         # Ranks ask for sub-groups concurrently; without the lock two ranks could each create
         # (and wait on) their own copy of a group and never meet.
@@ -137,7 +177,7 @@ class SimulatedWorld:
         with self._lock:
             group = self._groups.get(key)
             if group is None:
-                group = self._groups[key] = SimulatedGroup(key)
+                group = self._groups[key] = SimulatedGroup(key, pieces=self.pieces)
         return group
 
     def comm(self, rank: int) -> SimulatedComm:
@@ -196,7 +236,7 @@ class SimulatedWorld:
         # Barriers broken by an aborted run are replaced so the world can be reused.
         for key, g in list(self._groups.items()):
             if g._barrier.broken:
-                self._groups[key] = SimulatedGroup(key)
+                self._groups[key] = SimulatedGroup(key, pieces=self.pieces)
                 if key == tuple(range(self.world_size)):
                     self.world = self._groups[key]
         first = next(
