@@ -361,15 +361,8 @@ class GatherCall:
         if not any(gr is not None for gr in grads):
             return (None,) * len(grads)
         deferred = self.deferred
-        pending = T.begin_reduce(
-            grads,
-            self.sharded,
-            g.comm,
-            replicate_comm=g.replicate_comm,
-            divide_factor=g.divide_factor,
-            force_sum=g.force_sum,
-            reduce_unused=g.reduce_unused,
-            async_op=deferred is not None,
+        pending = g.begin_reduce(
+            grads, self.sharded, async_op=deferred is not None, all_reduce=True
         )
         if deferred is not None:
             locals_ = _deferred_results(pending)

@@ -313,17 +313,28 @@ class ParamGroup:
                 self.accumulated = None
             if any(g is not None for g in grads):
                 self.finish_reduce()
-                self.pending_reduce = T.begin_reduce(
-                    grads,
-                    self.state,
-                    self.comm,
-                    replicate_comm=self.replicate_comm,
-                    divide_factor=self.divide_factor,
-                    force_sum=self.force_sum,
-                    all_reduce=self.requires_all_reduce,
-                    reduce_unused=self.reduce_unused,
-                    async_op=True,
-                )
+                self.pending_reduce = self.begin_reduce(grads, self.state)
+
+    def begin_reduce(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        sharded: ShardedState,
+        *,
+        async_op: bool = True,
+        all_reduce: bool | None = None,
+    ) -> T.PendingReduce:
+        """Issue the reduce-scatter of ``grads`` into ``sharded`` with this group's settings."""
+        return T.begin_reduce(
+            grads,
+            sharded,
+            self.comm,
+            replicate_comm=self.replicate_comm,
+            divide_factor=self.divide_factor,
+            force_sum=self.force_sum,
+            all_reduce=self.requires_all_reduce if all_reduce is None else all_reduce,
+            reduce_unused=self.reduce_unused,
+            async_op=async_op,
+        )
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``."""
