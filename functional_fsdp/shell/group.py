@@ -29,6 +29,7 @@ from ..records import (
     OffloadPolicy,
     ShardedState,
 )
+from .memory import huge_page_advisor
 
 __all__ = ["ParamGroup", "TrainingState"]
 
@@ -121,6 +122,7 @@ class ParamGroup:
         self.register_sharded()
         # Buffers and caches (not state): unsharded buffer and its views, the all-gather in flight.
         self.buffer: torch.Tensor | None = None
+        self._advise = huge_page_advisor()
         self.views: tuple[torch.Tensor, ...] = ()
         self.full_outputs: tuple[torch.Tensor, ...] | None = None
         self.pending: T.PendingUnshard | None = None
@@ -243,11 +245,13 @@ class ParamGroup:
                 lay.world_size * lay.gather.total, dtype=lay.gather_buffer_dtype, device=self.device
             )
             self.views = T.full_views(lay, self.buffer)
+            self._advise(self.buffer)
         else:
             storage = self.buffer.untyped_storage()
             nbytes = self.buffer.numel() * self.buffer.element_size()
             if storage.size() != nbytes:
                 storage.resize_(nbytes)
+                self._advise(self.buffer)
         return self.buffer
 
     def free(self) -> None:
