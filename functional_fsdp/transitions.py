@@ -157,7 +157,8 @@ class PendingUnshard:
     """An all-gather in flight; :func:`finish_unshard` turns it into an :class:`UnshardedState`.
 
     ``output`` is the padded rank-major all-gather output, or ``None`` when the pieces were
-    gathered straight into ``into`` (no copy-out needed).
+    gathered straight into ``into`` (no copy-out needed). ``into`` is where the full parameters
+    will live either way (on the packed path :func:`finish_unshard` copies out into it).
     """
 
     layout: GroupLayout
@@ -232,7 +233,7 @@ def begin_unshard(
         work: Work = DoneWork()
     else:
         work = comm.all_gather(out, inp, async_op=async_op)
-    return PendingUnshard(lay, state.rank, out, work, source)
+    return PendingUnshard(lay, state.rank, out, work, source, into)
 
 
 def finish_unshard(pending: PendingUnshard, *, into: torch.Tensor | None = None) -> UnshardedState:
@@ -253,7 +254,8 @@ def finish_unshard(pending: PendingUnshard, *, into: torch.Tensor | None = None)
         return UnshardedState(
             pending.layout, pending.rank, full_views(pending.layout, buf), pending.source, buf
         )
-    params, buffer = full_from_gather(pending.layout, pending.output, into=into)
+    target = into if into is not None else pending.into
+    params, buffer = full_from_gather(pending.layout, pending.output, into=target)
     return UnshardedState(pending.layout, pending.rank, params, pending.source, buffer)
 
 
@@ -522,30 +524,29 @@ def begin_reduce(
         force_sum=force_sum,
     )
     ws = lay.world_size
+    device = sharded.flat.device
+    # The path depends only on facts every rank shares (never on which gradients this rank
+    # happens to have): ranks on different paths would exchange mismatched messages.
     if (
         ws > 1
         and _supports_pieces(comm)
         and all(d == 0 for d in lay.shard_dims)
         and factors.pre in (None, 1)
         and factors.premul is None
-        and all(
-            g is not None
-            and g.dtype == rdtype
-            and g.is_contiguous()
-            and g.device == sharded.flat.device
-            for g in glist
-        )
-        and all(present)
     ):
         # Send each rank its rows of each gradient straight from the gradient tensors; receive
         # this rank's rows into the (padded) output regions. No packed copy of the gradients.
+        # A missing gradient is sent as zeros, as the packed path packs it.
         numels = [L.prod(sh) for sh in lay.shard_shapes]
-        out = torch.empty(sum(numels), dtype=rdtype, device=sharded.flat.device)
+        out = torch.empty(sum(numels), dtype=rdtype, device=device)
         sends: list[list[torch.Tensor]] = [[] for _ in range(ws)]
         outs: list[torch.Tensor] = []
         off = 0
         for i, g in enumerate(glist):
-            assert g is not None
+            if g is None:
+                g = torch.zeros(lay.specs[i].shape, dtype=rdtype, device=device)
+            else:
+                g = g.to(device=device, dtype=rdtype).contiguous()
             row = L.prod(lay.shard_shapes[i][1:])
             for r in range(ws):
                 start, length = lay.extent(i, r)

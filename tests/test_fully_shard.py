@@ -7,6 +7,8 @@ AdamW on the same data, and compares per-step losses and final full parameters.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -78,8 +80,14 @@ def _build(which: str, recipe: str, cfg: GPTConfig = CFG) -> nn.Module:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         model.blocks = nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
-    for b in model.blocks:
-        fully_shard(b, **kw)
+    if recipe == "list":
+        # fully_shard([m1, m2]): two blocks share one group (one gather, one reduction).
+        fully_shard([model.blocks[0], model.blocks[1]], **kw)
+        for b in model.blocks[2:]:
+            fully_shard(b, **kw)
+    else:
+        for b in model.blocks:
+            fully_shard(b, **kw)
     fully_shard(model, **kw)
     if recipe == "meta":
         model.to_empty(device="cpu")
@@ -334,7 +342,7 @@ def _check(res: dict, key: str, tol: float) -> None:
 
 
 @pytest.mark.parametrize(
-    "recipe", ["default", "raf_false", "offload", "accum", "meta", "ckpt", "shard1"]
+    "recipe", ["default", "raf_false", "offload", "accum", "meta", "ckpt", "shard1", "list"]
 )
 def test_parity_with_torch_fsdp2_fp32(world2: World, recipe: str) -> None:
     for res in world2.run(case_parity, recipe):
@@ -383,3 +391,86 @@ def test_parity_four_ranks(world4: World, recipe: str) -> None:
 def test_four_ranks_single_process_reference(world4: World) -> None:
     for res in world4.run(case_single_process_reference, "hsdp"):
         _check(res, "ref", 1e-5)
+
+
+# ----------------------------------------------------------------------------- regressions
+
+
+class _RankBranch(nn.Module):
+    """A block whose second layer runs on rank 0 only (data-dependent unused parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        return y + self.b(x) if dist.get_rank() == 0 else y
+
+
+def case_regressions() -> dict:
+    """Bugs found in review: each check would fail (or crash the rank) before its fix."""
+    from functional_fsdp import fully_shard
+
+    out: dict = {}
+    rank, ws = dist.get_rank(), dist.get_world_size()
+
+    # Parameters unused on some ranks only: every rank must take the same reduction path.
+    torch.manual_seed(0)
+    m = nn.Sequential(_RankBranch(), nn.Linear(6, 3))
+    fully_shard(m[0])
+    fully_shard(m)
+    m(torch.randn(4, 6)).sum().backward()
+    out["rank_unused_ok"] = m[0].a.weight.grad is not None
+
+    # The first forward under inference_mode allocates buffers; training afterwards works.
+    model = _build("ours", "default")
+    x, y = synthetic_batch(CFG, 2, seed=rank)
+    with torch.inference_mode():
+        model(x)
+    model.loss(x, y).backward()
+    out["inference_then_train_ok"] = all(p.grad is not None for p in model.parameters())
+
+    # A submodule run on its own must not leave a stale prefetch for the next root forward.
+    a, b = _build("ours", "default"), _build("ours", "default")
+    for mm in (a, b):
+        _train(mm, "default", steps=1)  # records the forward order
+    h = torch.randn(2, CFG.seq, CFG.dim)
+    with torch.no_grad():
+        a.blocks[0](h)  # would prefetch blocks[1] before the fix
+        for p in list(a.parameters()) + list(b.parameters()):
+            p.add_(0.5)
+    with torch.no_grad():
+        out["no_stale_prefetch"] = torch.equal(a(x), b(x))
+
+    # reset_iter_state() on a child (not the root) recovers after an exception.
+    model = _build("ours", "default")
+
+    def boom(module, args):
+        raise RuntimeError("injected")
+
+    hk = model.blocks[1].register_forward_pre_hook(boom)
+    with contextlib.suppress(RuntimeError):
+        model.loss(x, y)
+    hk.remove()
+    model.blocks[0].reset_iter_state()
+    ref = _build("ours", "default")
+    out["child_reset_ok"] = _train(model, "default") == _train(ref, "default")
+
+    # unshard() puts the full parameters on the module; reshard() the sharded ones.
+    model = _build("ours", "default")
+    blk = model.blocks[0]
+    blk.unshard()
+    full_shape = tuple(blk.qkv.weight.shape)
+    is_plain = not hasattr(blk.qkv.weight, "placements")
+    blk.reshard()
+    out["unshard_registers_full"] = full_shape == (3 * CFG.dim, CFG.dim) and is_plain
+    out["reshard_registers_sharded"] = hasattr(blk.qkv.weight, "placements")
+    del ws
+    return out
+
+
+def test_review_regressions(world2: World) -> None:
+    for res in world2.run(case_regressions):
+        assert all(res.values()), res

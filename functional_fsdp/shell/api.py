@@ -124,6 +124,7 @@ def fully_shard(
     state.user_reshard_after_forward = reshard_after_forward
     if group is not None:
         group.reshard_after_forward = raf
+        group.forward_users = len(modules)
     for i, m in enumerate(modules):
         st = state if i == 0 else FSDPState(m, None, mp, type(m).__name__)
         if i > 0:
@@ -232,8 +233,8 @@ def _build_group(
         import attrs
 
         state = attrs.evolve(state, flat=flat)
-    comm = ProcessGroupComm(mesh.get_group(-1) if mesh.ndim == 2 else mesh.get_group())
-    rep = ProcessGroupComm(mesh.get_group(0)) if mesh.ndim == 2 else None
+    comm = _mesh_comm(mesh, -1)
+    rep = _mesh_comm(mesh, 0) if mesh.ndim == 2 else None
     sub = (
         _sub_group_comm(mesh, raf) if (isinstance(raf, int) and not isinstance(raf, bool)) else None
     )
@@ -257,6 +258,20 @@ def _compute_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+
+
+def _mesh_comm(mesh: DeviceMesh, dim: int) -> ProcessGroupComm:
+    """The one communicator of this rank's group along ``dim`` of ``mesh``.
+
+    Every group on the mesh shares it, so the point-to-point tag ranges of concurrent
+    collectives (one group's reduce-scatter beside another's prefetch) never overlap. Cached on
+    the mesh object (per-rank state, not a global).
+    """
+    cache = mesh.__dict__.setdefault("_ffsdp_comms", {})
+    key = dim % mesh.ndim
+    if key not in cache:
+        cache[key] = ProcessGroupComm(mesh.get_group(key) if mesh.ndim > 1 else mesh.get_group())
+    return cache[key]
 
 
 def _sub_group_comm(mesh: DeviceMesh, size: int) -> ProcessGroupComm:
@@ -295,9 +310,10 @@ class UnshardHandle:
         self._groups = groups
 
     def wait(self) -> None:
-        """Block until the all-gathers are done and the unsharded parameters are ready."""
+        """Block until the all-gathers are done and the full parameters are on the modules."""
         for g in self._groups:
             g.wait_unshard()
+            g.register_full(g.views)
         self._groups = []
 
 

@@ -62,9 +62,12 @@ __all__ = [
 
 def substituted(group: ParamGroup) -> bool:
     """Whether any parameter slot of ``group`` holds a tensor other than the group's own."""
-    for p, holders in zip(group.params, group.holders):
+    own_full = group.views if group.is_unsharded else ()
+    for i, (p, holders) in enumerate(zip(group.params, group.holders)):
         module, name = holders[0]
-        if module._parameters.get(name) is not p:
+        slot = module._parameters.get(name)
+        # After FSDPModule.unshard() the group's own full views sit in the slots.
+        if slot is not p and not (own_full and slot is own_full[i]):
             return True
     return False
 

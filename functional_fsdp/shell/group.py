@@ -133,6 +133,9 @@ class ParamGroup:
         self.accumulated: list[torch.Tensor | None] | None = None
         self.training_state = TrainingState.IDLE
         self.ran_post_backward = False
+        # fully_shard([m1, m2]): the modules sharing this group, and how many finished forward.
+        self.forward_users = 1
+        self.forward_done = 0
         # Flags (FSDPModule setters).
         self.reshard_after_forward: bool | int = True
         self.reshard_after_backward = True
@@ -241,10 +244,15 @@ class ParamGroup:
     def _alloc_buffer(self) -> torch.Tensor:
         lay = self.layout
         if self.buffer is None:
-            self.buffer = torch.empty(
-                lay.world_size * lay.gather.total, dtype=lay.gather_buffer_dtype, device=self.device
-            )
-            self.views = T.full_views(lay, self.buffer)
+            # A normal tensor even when first made under inference_mode: later training forwards
+            # save views of it for backward (and need its version counter).
+            with torch.inference_mode(False):
+                self.buffer = torch.empty(
+                    lay.world_size * lay.gather.total,
+                    dtype=lay.gather_buffer_dtype,
+                    device=self.device,
+                )
+                self.views = T.full_views(lay, self.buffer)
             self._advise(self.buffer)
         else:
             storage = self.buffer.untyped_storage()

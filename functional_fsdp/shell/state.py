@@ -75,12 +75,15 @@ class FSDPState:
                 raise StateError(
                     f"FSDP module {s.name!r} ran forward before its ancestor {self.name!r} and became a "
                     f"root itself; run the root module {self.name!r} first (call model(x), not a "
-                    "submodule), or call reset_iter_state() / re-apply fully_shard"
+                    "submodule), or build the model again and apply fully_shard afresh"
                 )
         seen: dict[int, str] = {}
+        seen_groups: set[int] = set()
         for s in states:
             s.root = self
-            if s.group is not None:
+            # fully_shard([m1, m2]) gives both states one group: check each group once.
+            if s.group is not None and id(s.group) not in seen_groups:
+                seen_groups.add(id(s.group))
                 for p in s.group.params:
                     if id(p) in seen:
                         from ..errors import TiedParameterError
@@ -125,8 +128,12 @@ class FSDPState:
         if functional_path.pre_forward(self):
             return args, kwargs
         # ---------------------------------------------------------------------------------------
+        if g is not None and g.forward_users > 1 and g.training_state == TrainingState.FORWARD:
+            # Another module of the same fully_shard([...]) group already unsharded it.
+            return args, kwargs
         if g is not None:
             g.training_state = TrainingState.FORWARD
+            g.forward_done = 0
             g.wait_unshard()
             for t in self._forward_prefetch_targets():
                 t.group.start_unshard()  # type: ignore[union-attr]
@@ -141,7 +148,9 @@ class FSDPState:
         if self.explicit_forward_prefetch is not None:
             return [s for s in self.explicit_forward_prefetch if s.group is not None]
         root = self.root
-        if root is None or not root.order_recorded:
+        # Only inside a root forward: a submodule run on its own must not leave a gather in
+        # flight that could go stale across an optimizer step.
+        if root is None or not root.order_recorded or not root.in_forward:
             return []
         order = root.forward_order
         try:
@@ -168,6 +177,8 @@ class FSDPState:
         if root is not None and not root.order_recorded:
             root.post_forward_order.append(self)
         if g is not None and not functional:
+            g.forward_done += 1
+        if g is not None and not functional and g.forward_done >= g.forward_users:
             g.register_sharded()
             g.reshard_after_forward_now(g.reshard_after_forward)
             g.training_state = TrainingState.IDLE
@@ -240,13 +251,18 @@ class FSDPState:
 
     def reset(self) -> None:
         """``reset_iter_state``: drop in-flight work, reshard, go idle (after an exception)."""
-        states = self.all_states or [self]
+        root = self.root if self.root is not None else self
+        states = root.all_states or [self]
         for s in states:
             g = s.group
             if g is None:
                 continue
             g.discard_pending()
-            g.pending_reduce = None
+            if g.pending_reduce is not None:
+                g.pending_reduce.work.wait()  # its buffers are in use by the transfer
+                g.pending_reduce = None
+            g.ran_post_backward = False
+            g.forward_done = 0
             g.free()
             g.register_sharded()
             g.full_outputs = None
