@@ -524,7 +524,9 @@ def begin_reduce(
         force_sum=force_sum,
     )
     ws = lay.world_size
-    device = sharded.flat.device
+    # Reduce where the gradients are (the compute device), also when the shards are offloaded
+    # to the CPU: the caller moves the reduced shards.
+    device = next((g.device for g in glist if g is not None), sharded.flat.device)
     # The path depends only on facts every rank shares (never on which gradients this rank
     # happens to have): ranks on different paths would exchange mismatched messages.
     if (
@@ -559,7 +561,7 @@ def begin_reduce(
             off += numels[i]
         pieces = comm.reduce_scatter_pieces(outs, sends, op=factors.op, async_op=async_op)  # type: ignore[attr-defined]
         return PendingReduce(sharded, out, pieces, factors, present, replicate_comm, all_reduce)
-    inp = pack_grads(glist, lay, device=sharded.flat.device)
+    inp = pack_grads(glist, lay, device=device)
     if factors.pre is not None and factors.pre != 1:
         inp.div_(factors.pre)
     if factors.premul is not None:
@@ -597,7 +599,8 @@ def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> Sharded
             new.append(old[i])
         else:
             g = out.narrow(0, off, n).view(lay.shard_shapes[i])
-            g = g.to(spec.dtype) if g.dtype != spec.dtype else g
+            # Sharded grads live with the shards (the CPU under offload), in the param dtype.
+            g = g.to(device=sharded.flat.device, dtype=spec.dtype)
             prev = old[i]
             new.append(g + prev if (accumulate and prev is not None) else g)
         off += n
