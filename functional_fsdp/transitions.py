@@ -504,8 +504,13 @@ def begin_reduce(
     all_reduce: bool = True,
     reduce_unused: bool = False,
     async_op: bool = True,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
 ) -> PendingReduce:
-    """Pack gradients, pre-divide and issue the group's one reduce-scatter."""
+    """Pack gradients, pre-divide and issue the group's one reduce-scatter.
+
+    ``alloc(numel, dtype, device)`` makes the output buffer (the new sharded gradients); the
+    shell injects one that advises the kernel about the fresh memory. Default: ``torch.empty``.
+    """
     if not isinstance(sharded, ShardedState):
         raise StateError(f"reduce_grad writes into a ShardedState, got {type(sharded).__name__}")
     lay = sharded.layout
@@ -540,7 +545,7 @@ def begin_reduce(
         # this rank's rows into the (padded) output regions. No packed copy of the gradients.
         # A missing gradient is sent as zeros, as the packed path packs it.
         numels = [L.prod(sh) for sh in lay.shard_shapes]
-        out = torch.empty(sum(numels), dtype=rdtype, device=device)
+        out = (alloc or _empty)(sum(numels), rdtype, device)
         sends: list[list[torch.Tensor]] = [[] for _ in range(ws)]
         outs: list[torch.Tensor] = []
         off = 0
@@ -566,7 +571,7 @@ def begin_reduce(
         inp.div_(factors.pre)
     if factors.premul is not None:
         inp.mul_(factors.premul)
-    out = torch.empty(inp.numel() // lay.world_size, dtype=inp.dtype, device=inp.device)
+    out = (alloc or _empty)(inp.numel() // lay.world_size, inp.dtype, inp.device)
     if lay.world_size == 1:
         out.copy_(inp)
         work: Work = DoneWork()
@@ -652,6 +657,10 @@ def reduce_grad(
 
 
 # ------------------------------------------------------------------------------------- helpers
+
+
+def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def _check_comm(comm: Communicator, world_size: int, what: str) -> None:

@@ -346,7 +346,13 @@ class ParamGroup:
             all_reduce=self.requires_all_reduce if all_reduce is None else all_reduce,
             reduce_unused=self.reduce_unused,
             async_op=async_op,
+            alloc=self._alloc_advised,
         )
+
+    def _alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype, device=device)
+        self._advise(t)
+        return t
 
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``."""
