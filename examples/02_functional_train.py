@@ -17,17 +17,14 @@ gets the reduce-scattered gradients back as sharded ``DTensor`` s.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from functional_fsdp import fully_shard
+from functional_fsdp import fully_shard, run_local
 from functional_fsdp.functional import adamw, init, make_train_step
 from functional_fsdp.testing.models import GPT, GPTConfig, pattern_batch
 
@@ -76,42 +73,14 @@ def _local_numel(state: Any) -> int:
     return sum(getattr(t, "_local_tensor", t).numel() for t in tree_leaves(state))
 
 
-def _spawned(rank: int, world_size: int, port: int, args: argparse.Namespace, q: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(args: argparse.Namespace) -> list[float]:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        losses = train(args.steps, args.batch, args.accum)
-        if rank == 0:
-            q.put(losses)
-    finally:
-        dist.destroy_process_group()
+    return train(args.steps, args.batch, args.accum)
 
 
 def spawn(world_size: int, args: argparse.Namespace) -> list[float]:
     """Run :func:`train` on ``world_size`` local CPU gloo ranks; returns rank 0's losses."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    procs = [
-        ctx.Process(target=_spawned, args=(r, world_size, port, args, q)) for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    if any(p.exitcode != 0 for p in procs) or q.empty():
-        raise SystemExit(
-            f"training on {world_size} ranks failed (exit codes {[p.exitcode for p in procs]})"
-        )
-    return q.get()
+    return run_local(_rank, world_size, args)[0]
 
 
 def main() -> None:

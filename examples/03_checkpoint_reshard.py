@@ -26,16 +26,13 @@ Under torchrun, run the phases yourself with the same ``--dir``::
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import socket
 import tempfile
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -43,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from functional_fsdp import fully_shard, load_checkpoint
+from functional_fsdp import fully_shard, load_checkpoint, run_local
 from functional_fsdp.testing.models import GPT, GPTConfig, pattern_batch
 
 CFG = GPTConfig(vocab=64, dim=32, n_layers=2, n_heads=2, seq=16)
@@ -121,43 +118,14 @@ def _run(phase: str, args: argparse.Namespace) -> dict[str, Any]:
     return resume_phase(os.path.join(args.dir, "dcp"), args.steps, export)
 
 
-def _spawned(rank: int, ws: int, port: int, phase: str, args: argparse.Namespace, q: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank(phase: str, args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        out = _run(phase, args)
-        if rank == 0:
-            q.put(out)
-    finally:
-        dist.destroy_process_group()
+    return _run(phase, args)
 
 
 def spawn(phase: str, world_size: int, args: argparse.Namespace) -> dict[str, Any]:
     """Run ``phase`` on ``world_size`` local CPU gloo ranks; returns rank 0's result."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    procs = [
-        ctx.Process(target=_spawned, args=(r, world_size, port, phase, args, q))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    if any(p.exitcode != 0 for p in procs) or q.empty():
-        raise SystemExit(
-            f"{phase} on {world_size} ranks failed (exit codes {[p.exitcode for p in procs]})"
-        )
-    return q.get()
+    return run_local(_rank, world_size, phase, args)[0]
 
 
 def check_export(path: str, expected_loss: float) -> float:

@@ -25,6 +25,7 @@ from .shell import (
     register_fsdp_forward_method,
     summon_full_params,
 )
+from .shell.launch import run_local
 from .transitions import reduce_grad, reshard, shard, unshard, writeback
 
 __version__ = "0.1.0"
@@ -56,6 +57,7 @@ __all__ = [
     "reduce_grad",
     "register_fsdp_forward_method",
     "reshard",
+    "run_local",
     "shard",
     "summon_full_params",
     "unshard",

@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import datetime
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -26,9 +24,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .shell import fully_shard
+from .shell.launch import run_local
 from .testing.models import GPT, GPTConfig, pattern_batch
 
 
@@ -132,17 +130,6 @@ def _summary(rows: list[dict[str, Any]]) -> None:
         print(f"peak memory       rank {r['rank']}: {r['peak_rss_mib']:.0f} MiB resident")
 
 
-def _spawned(rank: int, ws: int, port: int, args: argparse.Namespace, q: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=ws, timeout=datetime.timedelta(seconds=120)
-    )
-    try:
-        q.put(train(args))
-    finally:
-        dist.destroy_process_group()
-
-
 def main(argv: list[str] | None = None) -> int:
     """Entry point: train under torchrun, or spawn ``--world-size`` local CPU ranks."""
     args = _parse(argv)
@@ -155,28 +142,12 @@ def main(argv: list[str] | None = None) -> int:
             _summary(rows)
         dist.destroy_process_group()
         return 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_spawned, args=(r, args.world_size, port, args, q))
-        for r in range(args.world_size)
-    ]
-    for p in procs:
-        p.start()
     try:
-        rows = [q.get(timeout=3600) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.terminate()
-    if any(p.exitcode for p in procs):
-        print("a rank failed; see its error above", file=sys.stderr)
+        rows = run_local(train, args.world_size, args)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
         return 1
-    _summary(sorted(rows, key=lambda r: r["rank"]))
+    _summary(rows)
     return 0
 
 

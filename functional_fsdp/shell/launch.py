@@ -1,0 +1,79 @@
+"""Run a function on N local CPU ranks (gloo on 127.0.0.1), as the examples' default launcher."""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["run_local"]
+
+
+def run_local(
+    fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = 3600.0
+) -> list[Any]:
+    """Spawn ``world_size`` processes, initialise gloo in each, return ``fn(*args)`` by rank.
+
+    ``fn`` must be picklable (a module-level function). Each rank's process group uses
+    127.0.0.1 and a free port. If any rank fails, or the whole run exceeds ``timeout_s``, every
+    rank is terminated and :class:`RuntimeError` carries the failing ranks' tracebacks.
+
+    Example:
+        >>> def hello():  # doctest: +SKIP
+        ...     return torch.distributed.get_rank()
+        >>> run_local(hello, 2)  # doctest: +SKIP
+        [0, 1]
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results: Any = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    done: dict[int, Any] = {}
+    failed: dict[int, str] = {}
+    try:
+        while len(done) + len(failed) < world_size and not failed:
+            rank, ok, value = results.get(timeout=timeout_s)
+            (done if ok else failed)[rank] = value
+    except queue.Empty:
+        failed[-1] = f"timed out after {timeout_s} s"
+    finally:
+        for p in procs:
+            p.join(timeout=0 if failed else 60)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=10)
+    if failed:
+        text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
+        raise RuntimeError(f"run_local({getattr(fn, '__name__', fn)}) failed:\n{text}")
+    return [done[r] for r in range(world_size)]
+
+
+def _rank_main(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, out: Any
+) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
+    )
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
+    )
+    try:
+        out.put((rank, True, fn(*args)))
+    except BaseException:
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
