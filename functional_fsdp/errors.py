@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 __all__ = [
+    "DonatedStateError",
     "FSDPError",
     "IndivisibleError",
     "LayoutMismatchError",
@@ -11,6 +12,7 @@ __all__ = [
     "ScalarParameterError",
     "StateError",
     "TiedParameterError",
+    "UnsupportedError",
 ]
 
 
@@ -56,3 +58,11 @@ class MeshError(FSDPError, ValueError):
 
 class TiedParameterError(FSDPError, ValueError):
     """One parameter is managed by two FSDP groups."""
+
+
+class DonatedStateError(StateError):
+    """A state passed to a step with ``donate=True`` was used again (its buffers were consumed)."""
+
+
+class UnsupportedError(FSDPError, NotImplementedError):
+    """A feature that this code path does not support (the message names the alternative)."""
