@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
+    "CheckpointIntegrityError",
+    "CheckpointPathError",
     "DonatedStateError",
     "FSDPError",
     "IndivisibleError",
     "LayoutMismatchError",
     "MeshError",
+    "MissingDependencyError",
     "PolicyError",
     "ScalarParameterError",
     "StateError",
     "TiedParameterError",
+    "UncheckedCheckpointWarning",
     "UnsupportedError",
 ]
 
@@ -49,7 +55,9 @@ class StateError(FSDPError, RuntimeError):
 
 
 class PolicyError(FSDPError, ValueError):
-    """An invalid mixed-precision or offload policy, or invalid option combination."""
+    """An invalid mixed-precision or offload policy, option value or option combination
+    (e.g. an integer ``param_dtype`` or a gradient divide factor that is not a positive,
+    finite number)."""
 
 
 class MeshError(FSDPError, ValueError):
@@ -66,3 +74,54 @@ class DonatedStateError(StateError):
 
 class UnsupportedError(FSDPError, NotImplementedError):
     """A feature that this code path does not support (the message names the alternative)."""
+
+
+class CheckpointPathError(FSDPError, ValueError):
+    """A checkpoint names a storage file outside its directory (an absolute path, a ``..``
+    component or a symlink that leads out); nothing was read from it.
+
+    Attributes:
+        path: the offending path as the checkpoint names it.
+    """
+
+    def __init__(self, message: str, *, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # DCP ships a failing rank's exception to the others by pickling it.
+        return (_rebuild, (type(self), str(self), {"path": self.path}))
+
+
+class CheckpointIntegrityError(FSDPError, RuntimeError):
+    """A stored checkpoint item does not match the checksum recorded when it was saved (or
+    is truncated, or has no recorded checksum while the others do).
+
+    ``RuntimeError`` as torch's own unreadable-file errors, so ``except RuntimeError`` around a
+    load keeps working.
+
+    Attributes:
+        item: the item's key (fqn, with its chunk offset when it is a shard).
+    """
+
+    def __init__(self, message: str, *, item: str = "") -> None:
+        super().__init__(message)
+        self.item = item
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), {"item": self.item}))
+
+
+class MissingDependencyError(FSDPError, ImportError):
+    """An optional package that this operation needs is not installed."""
+
+
+class UncheckedCheckpointWarning(UserWarning):
+    """A checkpoint was loaded without checksum verification (it was saved without them)."""
+
+
+def _rebuild(cls: type[FSDPError], message: str, attributes: dict[str, Any]) -> FSDPError:
+    err = cls(message)
+    for k, v in attributes.items():
+        setattr(err, k, v)
+    return err
