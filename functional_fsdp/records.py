@@ -267,8 +267,17 @@ class ShardedState:
         lay = self.layout
         return region(self.flat, lay.storage, i, lay.specs[i].dtype).view(lay.shard_shapes[i])
 
-    def local(self, i: int) -> torch.Tensor:
-        """Unpadded shard of parameter ``i`` (a view; may have a 0-size dim)."""
+    def _index(self, i: int | str) -> int:
+        if isinstance(i, int):
+            return i
+        names = [s.fqn for s in self.layout.specs]
+        if i not in names:
+            raise KeyError(f"no parameter named {i!r} in this group; its parameters are {names}")
+        return names.index(i)
+
+    def local(self, i: int | str) -> torch.Tensor:
+        """Unpadded shard of parameter ``i`` (an index in layout order, or its fqn; a view)."""
+        i = self._index(i)
         start, length = self.layout.extent(i, self.rank)
         del start
         return self.shard(i).narrow(self.layout.shard_dims[i], 0, length)
@@ -277,8 +286,9 @@ class ShardedState:
         """Unpadded shards of every parameter, in layout order."""
         return tuple(self.local(i) for i in range(len(self.layout)))
 
-    def local_grad(self, i: int) -> torch.Tensor | None:
-        """Unpadded sharded gradient of parameter ``i``, or ``None``."""
+    def local_grad(self, i: int | str) -> torch.Tensor | None:
+        """Unpadded sharded gradient of parameter ``i`` (index or fqn), or ``None``."""
+        i = self._index(i)
         if self.grads is None or self.grads[i] is None:
             return None
         length = self.layout.extent(i, self.rank)[1]
