@@ -15,6 +15,7 @@ from .records import (
     UnshardedState,
 )
 from .shell import (
+    ChecksummingFileSystemWriter,
     FSDPModule,
     ProcessGroupComm,
     SafeFileSystemReader,
@@ -23,6 +24,7 @@ from .shell import (
     fully_shard,
     load_checkpoint,
     register_fsdp_forward_method,
+    save_checkpoint,
     summon_full_params,
 )
 from .shell.launch import run_local
@@ -32,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CPUOffloadPolicy",
+    "ChecksummingFileSystemWriter",
     "Communicator",
     "FSDPModule",
     "GroupLayout",
@@ -58,6 +61,7 @@ __all__ = [
     "register_fsdp_forward_method",
     "reshard",
     "run_local",
+    "save_checkpoint",
     "shard",
     "summon_full_params",
     "unshard",

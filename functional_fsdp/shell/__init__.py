@@ -1,11 +1,18 @@
 """The imperative shell: the only code that touches torch.distributed, hooks and autograd."""
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
-from .checkpoint import SafeFileSystemReader, SafeLoadPlanner, load_checkpoint
+from .checkpoint import (
+    ChecksummingFileSystemWriter,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    load_checkpoint,
+    save_checkpoint,
+)
 from .comm import ProcessGroupComm
 from .summon import summon_full_params
 
 __all__ = [
+    "ChecksummingFileSystemWriter",
     "FSDPModule",
     "ProcessGroupComm",
     "SafeFileSystemReader",
@@ -14,5 +21,6 @@ __all__ = [
     "fully_shard",
     "load_checkpoint",
     "register_fsdp_forward_method",
+    "save_checkpoint",
     "summon_full_params",
 ]

@@ -19,16 +19,14 @@ What we add:
   ``load_state_dict(assign=True)`` (and torch's meta-device path of ``set_model_state_dict``)
   *replaces* the parameter objects, so the group re-adopts the new parameters into a fresh
   sharded buffer (FSDP2 does the same with its ``reset_sharded_param`` hook).
-- :class:`SafeFileSystemReader` and :class:`SafeLoadPlanner`: DCP's stock reader unpickles the
-  ``.metadata`` file with plain ``pickle`` and its planner loads non-tensor entries (optimizer
-  ``param_groups``) with ``torch.load(weights_only=False)``; both can run arbitrary code from a
-  crafted checkpoint. Ours allow only DCP's metadata classes and ``weights_only=True`` loads.
-  :func:`load_checkpoint` is ``dcp.load`` with both.
+- :func:`save_checkpoint` / :func:`load_checkpoint`, ``dcp.save`` / ``dcp.load`` with a
+  checksumming writer and a safe reader (no arbitrary unpickling, no path outside the
+  checkpoint directory, every item verified): see :mod:`.checkpoint_io`, re-exported here.
 """
 
 from __future__ import annotations
 
-import io
+import importlib
 import os
 import pathlib
 import pickle
@@ -38,17 +36,21 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 
-from ..errors import LayoutMismatchError
+from ..errors import FSDPError, LayoutMismatchError, MissingDependencyError
+from .checkpoint_io import ChecksummingFileSystemWriter, SafeFileSystemReader, SafeLoadPlanner
 from .group import ParamGroup, TrainingState
 
-__all__ = ["SafeFileSystemReader", "SafeLoadPlanner", "load_checkpoint", "readopt_after_load"]
+__all__ = [
+    "ChecksummingFileSystemWriter",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "load_checkpoint",
+    "readopt_after_load",
+    "save_checkpoint",
+]
 
 
 # ------------------------------------------------------------------ load_state_dict(assign=True)
@@ -128,91 +130,62 @@ def _local_for(new: torch.Tensor, ref: Any, group: ParamGroup, i: int) -> torch.
         return new.detach().narrow(dim, start, length).to(ref.dtype).clone()
 
 
-# ------------------------------------------------------------------------------ safe DCP loading
-
-# (module, name) pairs the metadata unpickler may resolve: DCP's own types and plain containers.
-_METADATA_CLASSES = frozenset(
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "Metadata",
-        "MetadataIndex",
-        "StorageMeta",
-        "TensorProperties",
-        "TensorStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    )
-) | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
+# ------------------------------------------------------------------------------- entry points
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata only: DCP's dataclasses, ``torch.Size``, dtypes and layouts."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata refers to {module}.{name}, which is not a DCP metadata type; "
-            "refusing to load it (the file may be corrupt or crafted). Inspect it, or load it with "
-            "torch's FileSystemReader only if you trust its origin"
-        )
+def _reraise_named(e: CheckpointException) -> None:
+    """DCP wraps every rank's exception in ``CheckpointException`` (on every rank): surface the
+    first of ours, so each rank raises the same named error."""
+    for _rank, (exc, _tb) in sorted(e.failures.items()):
+        if isinstance(exc, (FSDPError, pickle.UnpicklingError)):
+            raise exc from e
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """DCP ``FileSystemReader`` that never unpickles arbitrary objects.
+def _require_numpy() -> None:
+    try:
+        importlib.import_module("numpy")
+    except ImportError as e:
+        raise MissingDependencyError(
+            "save_checkpoint needs numpy (torch.distributed.checkpoint imports it while saving): "
+            "run `pip install numpy` on every rank's machine (it is a dependency of "
+            "functional_fsdp; the install may be incomplete)"
+        ) from e
 
-    The ``.metadata`` file is read with an unpickler that only accepts DCP's metadata types
-    (anything else raises ``pickle.UnpicklingError`` before any object is built); tensors are
-    read with ``torch.load(weights_only=True)`` as in the stock reader.
+
+def save_checkpoint(
+    state_dict: dict[str, Any],
+    checkpoint_id: str | os.PathLike,
+    *,
+    process_group: dist.ProcessGroup | None = None,
+) -> None:
+    """``torch.distributed.checkpoint.save`` with per-item checksums.
+
+    Writes DCP's format with :class:`ChecksummingFileSystemWriter`, so plain ``dcp.load`` reads
+    it too, and :func:`load_checkpoint` verifies every item it reads.
 
     Args:
-        path: the checkpoint directory.
+        state_dict: e.g. ``{"model": msd, "optim": osd}`` from
+            ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``.
+        checkpoint_id: the checkpoint directory (created if missing).
+        process_group: the group that saves (default: the world).
+
+    Raises:
+        MissingDependencyError: numpy is not importable (checked before any collective).
+
+    Example:
+        >>> msd, osd = get_state_dict(model, opt)  # doctest: +SKIP
+        >>> save_checkpoint({"model": msd, "optim": osd}, "ckpt/step100")  # doctest: +SKIP
     """
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Read ``.metadata`` with the restricted unpickler."""
-        rank = kwargs.get("rank")
-        path = self._get_metadata_path(rank)
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError(
-                f"{os.fspath(path)} does not hold DCP Metadata (got {type(metadata).__name__})"
-            )
-        if metadata.storage_meta is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP ``DefaultLoadPlanner`` that loads non-tensor entries with ``weights_only=True``.
-
-    Optimizer ``param_groups`` (floats, tuples, strings, ``None``) are stored as pickled bytes;
-    the stock planner loads them with ``weights_only=False``.
-    """
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        """Load one non-tensor entry with ``torch.load(weights_only=True)``."""
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
+    _require_numpy()
+    try:
+        dcp.save(
+            state_dict,
+            storage_writer=ChecksummingFileSystemWriter(pathlib.Path(checkpoint_id)),
+            process_group=process_group,
+        )
+    except CheckpointException as e:
+        _reraise_named(e)
+        raise
 
 
 def load_checkpoint(
@@ -228,8 +201,17 @@ def load_checkpoint(
         state_dict: e.g. ``{"model": msd, "optim": osd}`` from
             ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)`` on the
             (freshly sharded) model; loaded in place, then apply it with ``set_state_dict``.
-        checkpoint_id: the checkpoint directory written by ``dcp.save``.
+        checkpoint_id: the checkpoint directory written by :func:`save_checkpoint` (or by plain
+            ``dcp.save``: then it loads unverified, with an ``UncheckedCheckpointWarning``).
         process_group: the group that loads (default: the world).
+
+    Raises:
+        CheckpointPathError: the metadata names a storage file outside the directory (nothing
+            was read).
+        CheckpointIntegrityError: an item's bytes do not match their checksum (names the item).
+        pickle.UnpicklingError: the metadata holds objects that are not DCP metadata.
+
+    Every rank of the group raises the same error.
 
     Example:
         >>> msd, osd = get_state_dict(model, opt)  # doctest: +SKIP
@@ -237,9 +219,16 @@ def load_checkpoint(
         >>> load_checkpoint(sd, "ckpt/step100")  # doctest: +SKIP
         >>> set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])  # doctest: +SKIP
     """
-    dcp.load(
-        state_dict,
-        storage_reader=SafeFileSystemReader(pathlib.Path(checkpoint_id)),
-        planner=SafeLoadPlanner(),
-        process_group=process_group,
-    )
+    reader = SafeFileSystemReader(pathlib.Path(checkpoint_id))
+    try:
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=SafeLoadPlanner(),
+            process_group=process_group,
+        )
+    except CheckpointException as e:
+        if reader.refusal is not None:
+            raise reader.refusal from e
+        _reraise_named(e)
+        raise
