@@ -30,8 +30,12 @@ class ScalarParameterError(FSDPError, ValueError):
     """A 0-d tensor cannot be sharded on a dimension."""
 
 
-class IndivisibleError(FSDPError, ValueError):
-    """A dimension or size that must divide evenly does not.
+class IndivisibleError(FSDPError, ValueError, NotImplementedError, AssertionError):
+    """A dimension or size that must divide evenly does not, or a shard dim out of range.
+
+    Drop-in for FSDP2, which raises ``ValueError`` (``reshard_after_forward`` not a factor),
+    ``NotImplementedError`` (uneven ``Shard(i)``, ``i > 0``) and ``AssertionError`` (shard dim
+    out of range) for these mistakes: ``except`` clauses written for any of them catch it.
 
     Attributes:
         dim: the tensor dimension (or ``None`` for a non-tensor size).
@@ -45,13 +49,22 @@ class IndivisibleError(FSDPError, ValueError):
         self.size = size
         self.factor = factor
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), str(self), dict(vars(self))))
+
 
 class LayoutMismatchError(FSDPError, ValueError):
     """Tensors do not match the layout they are combined with (count, shape or dtype)."""
 
 
-class StateError(FSDPError, RuntimeError):
-    """A transition was called on a record, or a module, in the wrong state."""
+class StateError(FSDPError, RuntimeError, ValueError):
+    """A transition was called on a record, or a module, in the wrong state (or on a module
+    that is not an FSDP module).
+
+    Drop-in for FSDP2, which raises ``RuntimeError`` for wrong-state calls (a child run before
+    its root) and ``ValueError`` for a plain module where an FSDP module is expected
+    (``set_modules_to_forward_prefetch([nn.Linear(...)])``).
+    """
 
 
 class PolicyError(FSDPError, ValueError):
@@ -90,7 +103,7 @@ class CheckpointPathError(FSDPError, ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # DCP ships a failing rank's exception to the others by pickling it.
-        return (_rebuild, (type(self), str(self), {"path": self.path}))
+        return (_rebuild, (type(self), str(self), dict(vars(self))))
 
 
 class CheckpointIntegrityError(FSDPError, RuntimeError):
@@ -109,7 +122,7 @@ class CheckpointIntegrityError(FSDPError, RuntimeError):
         self.item = item
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), str(self), {"item": self.item}))
+        return (_rebuild, (type(self), str(self), dict(vars(self))))
 
 
 class MissingDependencyError(FSDPError, ImportError):
@@ -121,7 +134,8 @@ class UncheckedCheckpointWarning(UserWarning):
 
 
 def _rebuild(cls: type[FSDPError], message: str, attributes: dict[str, Any]) -> FSDPError:
-    err = cls(message)
-    for k, v in attributes.items():
-        setattr(err, k, v)
+    """Unpickle an error whose ``__init__`` takes keyword-only attributes."""
+    err = cls.__new__(cls, message)
+    Exception.__init__(err, message)
+    err.__dict__.update(attributes)
     return err

@@ -114,6 +114,9 @@ class GroupLayout:
         ``param_dtype`` applies to floating-point parameters only; ``reduce_dtype`` defaults to
         the gather dtype and is dropped when equal to it.
         """
+        # The pure ``shard(param_dtype=...)`` path reaches here without a MixedPrecisionPolicy.
+        _check_dtype("param_dtype")(None, None, param_dtype)
+        _check_dtype("reduce_dtype")(None, None, reduce_dtype)
         specs = tuple(specs)
         dims = tuple(L.check_shard_dim(s.shape, s.shard_dim, world_size, name=s.fqn) for s in specs)
         shard_shapes = tuple(L.sharded_shape(s.shape, d, world_size) for s, d in zip(specs, dims))
