@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import types
 import warnings
 from collections.abc import Callable, Iterable
@@ -411,7 +413,20 @@ class FSDPModule:
         self._ffsdp_state.explicit_backward_prefetch = [m._ffsdp_state for m in modules]
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide gradients by ``factor`` instead of the data-parallel size."""
+        """Divide gradients by ``factor`` instead of the data-parallel size.
+
+        Raises:
+            PolicyError: ``factor`` is not a positive, finite number (checked before any change).
+        """
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+            raise PolicyError(
+                f"set_gradient_divide_factor expects a positive number, got {type(factor).__name__}"
+            )
+        if not (math.isfinite(factor) and factor > 0):
+            raise PolicyError(
+                f"set_gradient_divide_factor({factor!r}): the factor must be a positive, finite "
+                "number (gradients are divided by it); use the data-parallel size for averaging"
+            )
         for s in _states(self, True):  # type: ignore[arg-type]
             if s.group is not None:
                 s.group.divide_factor = factor
