@@ -154,7 +154,7 @@ def _functional_train(
     losses, norms = [], []
     for s in range(steps):
         state, metrics = step(state, _batch(s, rank, n=2 * accum))
-        losses.append(metrics["loss"].item())
+        losses.append(metrics["local_loss"].item())
         norms.append(metrics["grad_norm"].item())
     return state, losses, norms
 
@@ -232,8 +232,11 @@ def _case_clipping(clip: float) -> dict[str, Any]:
     shell_losses, shell_norms = _shell_train(
         shell, _torch_opt("adamw", shell.parameters()), 3, clip=clip
     )
+    from functional_fsdp.functional import chain, clip_by_global_norm
+
     model = _build()
-    state, losses, norms = _functional_train(model, _functional_opt("adamw"), 3, max_grad_norm=clip)
+    opt = chain(clip_by_global_norm(clip), _functional_opt("adamw"))
+    state, losses, norms = _functional_train(model, opt, 3)
     return {
         "norms": norms,
         "shell_norms": shell_norms,
@@ -324,10 +327,12 @@ def _snapshot(state: Any) -> list[torch.Tensor]:
 
 def _case_step_is_pure(kw: dict[str, Any]) -> bool:
     from functional_fsdp._tree import tree_leaves
-    from functional_fsdp.functional import init, make_train_step
+    from functional_fsdp.functional import chain, clip_by_global_norm, init, make_train_step
 
     model = _build()
     opt = _functional_opt("adamw")
+    if kw.pop("clip", None):
+        opt = chain(clip_by_global_norm(0.05), opt)
     step = make_train_step(model, _loss, opt, **kw)
     n = 2 * kw.get("grad_accum", 1)
     state, _ = step(init(model, opt), _batch(0, _rank(), n))  # a state with non-zero moments
@@ -349,9 +354,7 @@ def _case_step_is_pure(kw: dict[str, Any]) -> bool:
     )
 
 
-@pytest.mark.parametrize(
-    "kw", [{}, {"grad_accum": 2, "max_grad_norm": 0.05}], ids=["plain", "accum-clip"]
-)
+@pytest.mark.parametrize("kw", [{}, {"grad_accum": 2, "clip": True}], ids=["plain", "accum-clip"])
 def test_step_is_pure(world: World, kw: dict[str, Any]) -> None:
     assert world.run(_case_step_is_pure, kw) == [True, True]
 

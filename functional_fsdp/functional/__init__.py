@@ -1,43 +1,98 @@
 """The functional API: an immutable :class:`TrainState`, a pure training step, and optax-style
-functional optimizers, over modules sharded with ``fully_shard``.
+optimizers (composable gradient transformations and schedules), over modules sharded with
+``fully_shard``.
 
 See ``docs/functional.md``. The typical loop::
 
-    opt = adamw(1e-3)
+    opt = chain(clip_by_global_norm(1.0), adamw(1e-3))
     state = init(model, opt)
     step = make_train_step(model, lambda m, b: m.loss(*b), opt)
     for batch in data:
         state, metrics = step(state, batch)
 """
 
+from . import schedules
+from .bridges import (
+    SummonedState,
+    from_state_dict,
+    from_torch_optimizer,
+    summon_state,
+    to_state_dict,
+    to_torch_optimizer,
+)
+from .hyperparams import InjectHyperparamsState, inject_hyperparams, set_hyperparams
+from .norms import global_norm
 from .optim import AdamWState, InitFn, Optimizer, SGDState, UpdateFn, adamw, sgd
 from .train import (
     LossFn,
     TrainState,
     TrainStep,
     apply_to_module,
-    from_state_dict,
-    global_norm,
+    check_not_donated,
     init,
     make_train_step,
-    to_state_dict,
+    with_params,
+)
+from .transforms import (
+    EmptyState,
+    GradientTransformation,
+    ScaleByAdamState,
+    ScaleByScheduleState,
+    TransformInitFn,
+    TransformUpdateFn,
+    add_decayed_weights,
+    apply_updates,
+    as_optimizer,
+    chain,
+    clip_by_global_norm,
+    identity,
+    scale,
+    scale_by_adam,
+    scale_by_learning_rate,
+    scale_by_schedule,
 )
 
 __all__ = [
     "AdamWState",
+    "EmptyState",
+    "GradientTransformation",
     "InitFn",
+    "InjectHyperparamsState",
     "LossFn",
     "Optimizer",
     "SGDState",
+    "ScaleByAdamState",
+    "ScaleByScheduleState",
+    "SummonedState",
     "TrainState",
     "TrainStep",
+    "TransformInitFn",
+    "TransformUpdateFn",
     "UpdateFn",
     "adamw",
+    "add_decayed_weights",
     "apply_to_module",
+    "apply_updates",
+    "as_optimizer",
+    "chain",
+    "check_not_donated",
+    "clip_by_global_norm",
     "from_state_dict",
+    "from_torch_optimizer",
     "global_norm",
+    "identity",
     "init",
+    "inject_hyperparams",
     "make_train_step",
+    "scale",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "scale_by_schedule",
+    "schedules",
+    "set_hyperparams",
     "sgd",
+    "summon_state",
     "to_state_dict",
+    "to_torch_optimizer",
+    "with_params",
 ]

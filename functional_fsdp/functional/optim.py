@@ -32,9 +32,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import attrs
+import optree
 import torch
 
-from .._tree import register, tree_flatten, tree_unflatten
+from .._tree import tree_flatten, tree_unflatten
+from ._pytrees import register_everywhere
 
 __all__ = [
     "AdamWState",
@@ -47,6 +49,7 @@ __all__ = [
 ]
 
 LearningRate = float | Callable[[int], float]
+"""A learning rate: a float, or a schedule ``count -> lr`` (see :mod:`.schedules`)."""
 
 
 class InitFn(Protocol):
@@ -61,7 +64,7 @@ class UpdateFn(Protocol):
     """One optimizer step: ``(grads, state, params) -> (new_params, new_state)``."""
 
     def __call__(
-        self, grads: Any, state: Any, params: Any, *, donate: bool = False
+        self, grads: Any, state: Any, params: Any, *, donate: bool = False, **extra: Any
     ) -> tuple[Any, Any]:
         """Apply one step.
 
@@ -71,6 +74,9 @@ class UpdateFn(Protocol):
             params: the current parameters.
             donate: update ``params`` and ``state`` in place and return them (the inputs are
                 consumed); default ``False`` leaves every input unchanged.
+            **extra: extra arguments passed down a :func:`~.transforms.chain` (optax's
+                ``GradientTransformationExtraArgs``), e.g. ``global_norm_fn`` from the training
+                step; transformations ignore the ones they do not use.
         """
         ...
 
@@ -82,13 +88,17 @@ class Optimizer(NamedTuple):
     Attributes:
         init: ``init(params) -> state``.
         update: ``update(grads, state, params, *, donate=False) -> (new_params, new_state)``.
+        learning_rate: optional ``learning_rate(state) -> float``: the learning rate the last
+            ``update`` used, given the state it returned (the training step reports it as
+            ``metrics["lr"]``); ``None`` when the optimizer has no single learning rate.
     """
 
     init: InitFn
     update: UpdateFn
+    learning_rate: Callable[[Any], float] | None = None
 
 
-@register
+@register_everywhere
 @attrs.frozen(eq=False)
 class AdamWState:
     """State of :func:`adamw`.
@@ -104,7 +114,7 @@ class AdamWState:
     nu: Any
 
 
-@register
+@register_everywhere
 @attrs.frozen(eq=False)
 class SGDState:
     """State of :func:`sgd`.
@@ -123,6 +133,15 @@ def _lr_at(lr: LearningRate, count: int) -> float:
     return float(lr(count)) if callable(lr) else float(lr)
 
 
+def last_lr(lr: LearningRate) -> Callable[[Any], float]:
+    """``state -> lr`` of the last update, for a state whose ``count`` counts the updates."""
+
+    def learning_rate(state: Any) -> float:
+        return _lr_at(lr, max(int(state.count.item()) - 1, 0))
+
+    return learning_rate
+
+
 def _check_lr(lr: LearningRate) -> None:
     if not callable(lr) and not lr >= 0.0:
         raise ValueError(f"lr must be >= 0 (or a schedule count -> lr), got {lr!r}")
@@ -138,8 +157,19 @@ def _zeros(params: Any) -> Any:
 def _flat_like(tree: Any, spec: Any, what: str) -> list[torch.Tensor]:
     leaves, other = tree_flatten(tree)
     if other != spec:
-        raise ValueError(f"{what} does not have the structure of params: {other} vs {spec}")
+        raise ValueError(structure_mismatch(what, other, spec))
     return leaves
+
+
+def structure_mismatch(what: str, got: Any, want: Any) -> str:
+    """The message for a tree whose structure is not the parameters' (names the usual cause)."""
+    hint = ""
+    if got.kind != want.kind and want.kind == optree.PyTreeKind.DICT:
+        hint = (
+            f"; the parameters are a dict, so pass {what} as a dict with the same keys "
+            "(e.g. dict(zip(names, grads))), not a list or tuple in some order"
+        )
+    return f"{what} does not have the structure of params: {got} vs {want}{hint}"
 
 
 def _count0() -> torch.Tensor:
@@ -177,7 +207,7 @@ def adamw(
         return AdamWState(_count0(), _zeros(params), _zeros(params))
 
     def update(
-        grads: Any, state: AdamWState, params: Any, *, donate: bool = False
+        grads: Any, state: AdamWState, params: Any, *, donate: bool = False, **extra: Any
     ) -> tuple[Any, AdamWState]:
         p, spec = tree_flatten(params)
         g = _flat_like(grads, spec, "grads")
@@ -221,7 +251,7 @@ def adamw(
             AdamWState(count, tree_unflatten(spec, new_mu), tree_unflatten(spec, new_nu)),
         )
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, last_lr(lr))
 
 
 def sgd(
@@ -255,7 +285,7 @@ def sgd(
         return SGDState(_count0(), _zeros(params) if momentum != 0 else None)
 
     def update(
-        grads: Any, state: SGDState, params: Any, *, donate: bool = False
+        grads: Any, state: SGDState, params: Any, *, donate: bool = False, **extra: Any
     ) -> tuple[Any, SGDState]:
         p, spec = tree_flatten(params)
         g: Any = _flat_like(grads, spec, "grads")
@@ -294,4 +324,4 @@ def sgd(
         mom = tree_unflatten(spec, new_buf) if new_buf is not None else None
         return tree_unflatten(spec, new_p), SGDState(count, mom)
 
-    return Optimizer(init, update)
+    return Optimizer(init, update, last_lr(lr))

@@ -1,0 +1,191 @@
+"""Global gradient norms over shards, through injected communicators.
+
+A sharded gradient's 2-norm is ``sqrt(sum over ranks of the local sums of squares)``: each rank
+squares its shard locally and one all-reduce over the shard group adds them up (what
+``torch.nn.utils.clip_grad_norm_`` computes on ``DTensor`` gradients). The all-reduce goes
+through a :class:`~functional_fsdp.comm.Communicator`: one built from the ``DTensor`` 's mesh
+(:class:`~functional_fsdp.shell.comm.ProcessGroupComm` over the shard dim's process group), or
+one the caller passes (e.g. a simulated world's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+from .._tree import tree_leaves
+from ..comm import Communicator
+from ..shell.comm import ProcessGroupComm
+
+__all__ = ["global_norm"]
+
+_Key = tuple[Any, int]
+
+
+def _local(t: Any) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _shard_key(t: Any) -> _Key | None:
+    """``(mesh, shard mesh dim)`` of a sharded ``DTensor``; ``None`` for anything unsharded."""
+    if not isinstance(t, DTensor):
+        return None
+    dims = [d for d, p in enumerate(t.placements) if isinstance(p, Shard)]
+    if not dims or t.device_mesh.size(dims[0]) == 1:
+        return None
+    return (t.device_mesh, dims[0])
+
+
+def _comm_for(key: _Key | None, comms: dict[Any, Communicator]) -> Communicator | None:
+    if key is None:
+        return None
+    if key not in comms:
+        mesh, dim = key
+        comms[key] = ProcessGroupComm(mesh.get_group(dim))
+    return comms[key]
+
+
+def norm_by_groups(
+    locals_: Sequence[torch.Tensor],
+    groups: Sequence[tuple[Communicator | None, Sequence[int]]],
+    *,
+    extra: torch.Tensor | None = None,
+    extra_comm: Communicator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The global norm of local shards grouped by communicator (``None``: not reduced).
+
+    ``extra`` (a 0-d float tensor, e.g. a loss) is summed over ``extra_comm`` in the same
+    all-reduce as the squares of that communicator's group, saving a collective.
+    Returns ``(norm, summed extra)``.
+    """
+    norms = torch._foreach_norm(list(locals_)) if locals_ else []
+    if len(groups) == 1 and groups[0][0] is None and extra is None and norms:
+        # Unsharded: exactly clip_grad_norm_'s arithmetic (the norm of the norms).
+        return torch.linalg.vector_norm(torch.stack(list(norms))), None
+    per_tensor = []
+    for comm, idx in groups:
+        # clip_grad_norm_ on DTensors reduces each tensor's norm (its local norm ** 2 summed
+        # over ranks, then ** 0.5) and takes the norm of those: the same ops, bit for bit, with
+        # one all-reduce of the vector of squares per group.
+        local = torch.stack([norms[i].float() for i in idx])
+        if comm is None:
+            per_tensor.append(local)
+            continue
+        sq = local**2.0
+        if extra is not None and comm is extra_comm:
+            buf = torch.cat([sq, extra.float().reshape(1)])
+            comm.all_reduce(buf)
+            sq, extra, extra_comm = buf[:-1], buf[-1], None
+        else:
+            comm.all_reduce(sq)
+        per_tensor.append(sq**0.5)
+    if extra is not None and extra_comm is not None:
+        extra = extra.float().clone()
+        extra_comm.all_reduce(extra)
+    if not per_tensor:
+        return torch.zeros((), dtype=torch.float32), extra
+    return torch.linalg.vector_norm(torch.cat(per_tensor)), extra
+
+
+def global_norm(tree: Any, *, comm: Communicator | None = None) -> torch.Tensor:
+    """The 2-norm of all the tensors of ``tree`` together, across shards.
+
+    Sharded ``DTensor`` leaves (``Shard`` placement) contribute their local shards, summed over
+    their mesh's shard group with one all-reduce per group; plain tensors are local to this
+    rank, or, with ``comm``, this rank's shards of tensors sharded over ``comm`` 's ranks.
+    Every rank of a group must call it (it is a collective there).
+
+    Args:
+        tree: a pytree of tensors (a dict of gradients, a record, a list).
+        comm: the communicator plain-tensor leaves are sharded over (``None``: not sharded).
+
+    Returns:
+        A 0-d float32 tensor, the same on every rank.
+
+    Example:
+        >>> import torch
+        >>> from functional_fsdp.functional import global_norm
+        >>> global_norm({"a": torch.tensor([3.0]), "b": torch.tensor([[4.0]])})
+        tensor(5.)
+    """
+    leaves = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+    comms: dict[Any, Communicator] = {}
+    keys: list[Any] = []
+    groups: list[tuple[Communicator | None, list[int]]] = []
+    for i, t in enumerate(leaves):
+        key = _shard_key(t)
+        c = _comm_for(key, comms) if key is not None else comm
+        gkey = key if key is not None else ("plain", id(comm))
+        if gkey not in keys:
+            keys.append(gkey)
+            groups.append((c, []))
+        groups[keys.index(gkey)][1].append(i)
+    norm, _ = norm_by_groups([_local(t) for t in leaves], groups)
+    return norm
+
+
+class StepNorms:
+    """The training step's reductions: the gradient norm and the global mean loss.
+
+    Built once per step function from the trainable parameters (``DTensor`` s): one
+    communicator per shard group, plus the data-parallel groups the loss is averaged over (every
+    dim of the parameters' mesh). The loss rides in the gradient norm's all-reduce.
+
+    Args:
+        params: the trainable parameters, in the order the step keeps gradients.
+        names: their names.
+    """
+
+    def __init__(self, params: Sequence[Any], names: Sequence[str]) -> None:
+        self.names = list(names)
+        comms: dict[Any, Communicator] = {}
+        keys: list[Any] = []
+        self.groups: list[tuple[Communicator | None, list[int]]] = []
+        for i, p in enumerate(params):
+            key = _shard_key(p)
+            if key not in keys:
+                keys.append(key)
+                self.groups.append((_comm_for(key, comms), []))
+            self.groups[keys.index(key)][1].append(i)
+        mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+        self.loss_comms: list[Communicator] = []
+        self.dp_size = 1
+        if mesh is not None:
+            for dim in range(mesh.ndim):
+                if mesh.size(dim) > 1:
+                    c = _comm_for((mesh, dim), comms)
+                    assert c is not None
+                    self.loss_comms.append(c)
+                    self.dp_size *= mesh.size(dim)
+        self._cache: tuple[list[int], torch.Tensor] | None = None
+
+    def norm_and_loss(
+        self, grads: Sequence[torch.Tensor], loss_sum: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(global grad norm, loss summed over the data-parallel ranks / their count)``."""
+        first = self.loss_comms[0] if self.loss_comms else None
+        norm, loss = norm_by_groups(grads, self.groups, extra=loss_sum, extra_comm=first)
+        assert loss is not None
+        for c in self.loss_comms[1:]:
+            c.all_reduce(loss)
+        self._cache = ([id(g) for g in grads], norm)
+        return norm, loss / self.dp_size
+
+    def norm_fn(self, tree: Any) -> torch.Tensor:
+        """``global_norm_fn`` for :func:`~.transforms.clip_by_global_norm` inside the step.
+
+        ``tree`` is ``{name: local shard}`` of the trainable parameters; the norm of the very
+        gradients :meth:`norm_and_loss` saw is reused (no second all-reduce).
+        """
+        if not isinstance(tree, dict) or set(tree) != set(self.names):
+            raise ValueError(
+                "the training step's global_norm_fn takes {name: local shard} of the trainable "
+                f"parameters, got {type(tree).__name__}"
+            )
+        locals_ = [tree[n] for n in self.names]
+        if self._cache is not None and self._cache[0] == [id(t) for t in locals_]:
+            return self._cache[1]
+        return norm_by_groups(locals_, self.groups)[0]
