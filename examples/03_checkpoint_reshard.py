@@ -4,10 +4,11 @@ Runs on CPU in well under a minute: ``python examples/03_checkpoint_reshard.py``
 own gloo ranks on 127.0.0.1 (no torchrun needed):
 
 1. **save** (2 ranks): train a small GPT with AdamW for ``--steps`` steps, save the sharded model
-   and optimizer with ``torch.distributed.checkpoint`` (each rank writes only its shards), then
-   keep training for ``--steps`` more steps: the uninterrupted reference.
+   and optimizer with ``save_checkpoint`` (``torch.distributed.checkpoint`` plus a checksum of
+   every stored item; each rank writes only its shards), then keep training for ``--steps`` more steps: the uninterrupted reference.
 2. **resume** (4 ranks): shard a freshly initialised model over 4 ranks, load the 2-rank
-   checkpoint into it (DCP reshards 2 -> 4), train the same ``--steps`` steps and compare the
+   checkpoint into it with ``load_checkpoint`` (DCP reshards 2 -> 4; every item is checked
+   against its checksum and every file path against the directory), train the same ``--steps`` steps and compare the
    losses with the uninterrupted run; then gather a full state dict to rank 0 (on CPU, one
    tensor at a time) and ``torch.save`` it.
 3. **export check** (this process): a plain, unsharded ``GPT`` loads that file with the ordinary
@@ -32,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from functional_fsdp import fully_shard, load_checkpoint, run_local
+from functional_fsdp import fully_shard, load_checkpoint, run_local, save_checkpoint
 from functional_fsdp.testing.models import GPT, GPTConfig, pattern_batch
 
 CFG = GPTConfig(vocab=64, dim=32, n_layers=2, n_heads=2, seq=16)
@@ -86,7 +86,8 @@ def save_phase(ckpt: str, steps: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     before = train(model, opt, range(steps))
     model_sd, optim_sd = get_state_dict(model, opt)  # DTensor shards: no communication
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=ckpt)
+    # dcp.save plus a CRC-32 of every stored item, verified by load_checkpoint.
+    save_checkpoint({"model": model_sd, "optim": optim_sd}, ckpt)
     after = train(model, opt, range(steps, 2 * steps))
     return {"before": before, "uninterrupted": after}
 
@@ -97,7 +98,9 @@ def resume_phase(ckpt: str, steps: int, export: str) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     model_sd, optim_sd = get_state_dict(model, opt)
     state = {"model": model_sd, "optim": optim_sd}
-    load_checkpoint(state, ckpt)  # dcp.load with a reader that never unpickles arbitrary objects
+    # dcp.load that never unpickles arbitrary objects, never reads outside the checkpoint
+    # directory and verifies each item's checksum before loading it.
+    load_checkpoint(state, ckpt)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     resumed = train(model, opt, range(steps, 2 * steps))
     full = get_model_state_dict(

@@ -1,5 +1,8 @@
 """State dicts, DCP resharding N -> M, resume-equals-uninterrupted, safe loading, deepcopy.
 
+Damaged and crafted checkpoints (paths outside the directory, flipped bytes) are in
+``test_reliability.py``.
+
 One 2-rank and one 4-rank gloo world serve the module. World size 1 runs inside the 2-rank
 world: each rank shards over a mesh of its own one-rank group and loads independently.
 """
@@ -10,6 +13,7 @@ import copy
 import io
 import os
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -22,9 +26,10 @@ from functional_fsdp import (
     SafeLoadPlanner,
     fully_shard,
     load_checkpoint,
+    save_checkpoint,
     summon_full_params,
 )
-from functional_fsdp.errors import StateError
+from functional_fsdp.errors import StateError, UncheckedCheckpointWarning
 from functional_fsdp.testing.models import GPT, Block, GPTConfig, synthetic_batch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -243,8 +248,8 @@ def case_full_state_dict() -> None:
 
 
 def case_train_save(path: str, save_at: int, total: int) -> dict | None:
-    """Train ``total`` steps uninterrupted, saving model + AdamW with DCP after ``save_at``."""
-    import torch.distributed.checkpoint as dcp
+    """Train ``total`` steps uninterrupted, saving model + AdamW after ``save_at`` with
+    ``save_checkpoint`` (DCP plus checksums: resharded loads verify the chunks they read)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model = _sharded(0)
@@ -252,7 +257,7 @@ def case_train_save(path: str, save_at: int, total: int) -> dict | None:
     opt = _adamw(model)
     losses = _train(model, opt, range(save_at), mesh)
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    save_checkpoint({"model": msd, "optim": osd}, path)
     saved = {"full": _full(model), "optim": _full_optim(model, opt)}
     losses += _train(model, opt, range(save_at, total), mesh)
     return {"losses": losses, **saved} if dist.get_rank() == 0 else None
@@ -267,7 +272,10 @@ def case_resume(path: str, save_at: int, total: int, world_size_one: bool) -> di
     opt = _adamw(model)
     msd, osd = get_state_dict(model, opt)
     sd = {"model": msd, "optim": osd}
-    load_checkpoint(sd, path, process_group=mesh.get_group() if world_size_one else None)
+    with warnings.catch_warnings():
+        # saved by save_checkpoint: every chunk this world size reads is verified
+        warnings.simplefilter("error", UncheckedCheckpointWarning)
+        load_checkpoint(sd, path, process_group=mesh.get_group() if world_size_one else None)
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     _assert_consistent(model)
     loaded = {"full": _full(model), "optim": _full_optim(model, opt)}
