@@ -313,6 +313,33 @@ def test_checkpoint_error_types_and_pickling() -> None:
     assert isinstance(CheckpointIntegrityError("x"), RuntimeError)
 
 
+def case_train_state_round_trip(path: str) -> bool:
+    """The functional API's state goes through save_checkpoint / load_checkpoint verified."""
+    from functional_fsdp._tree import tree_leaves
+    from functional_fsdp.functional import adamw, from_state_dict, init, to_state_dict
+
+    opt = adamw(1e-2)
+    state = init(_sharded(0), opt)
+    functional_fsdp.save_checkpoint(to_state_dict(state), path)
+    template = init(_sharded(1), opt)
+    sd = to_state_dict(template)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncheckedCheckpointWarning)
+        functional_fsdp.load_checkpoint(sd, path)
+    loaded = from_state_dict(template, sd)
+
+    def full(t):
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    return all(
+        torch.equal(full(a), full(b)) for a, b in zip(tree_leaves(loaded), tree_leaves(state))
+    )
+
+
+def test_train_state_round_trips_through_save_checkpoint(world2: World, tmp_path) -> None:
+    assert all(world2.run(case_train_state_round_trip, str(tmp_path / "ckpt")))
+
+
 # ------------------------------------------------------------------------------ missing numpy
 
 
