@@ -300,6 +300,29 @@ def test_sidecar_lists_every_item(saved) -> None:
     assert doc["algorithm"] == "crc32" and doc["save_id"] == md.storage_meta.save_id
 
 
+def test_checksum_sidecar_is_path_checked_and_bound_to_its_save(world2: World, saved, tmp_path):
+    import json
+
+    from functional_fsdp.shell.checkpoint_io import CHECKSUM_FILE
+
+    # A sidecar that is a symlink out of the directory is refused like a storage path.
+    path = _copy(saved["ours"], tmp_path / "linked")
+    outside = tmp_path / "outside.json"
+    os.replace(os.path.join(path, CHECKSUM_FILE), outside)
+    os.symlink(outside, os.path.join(path, CHECKSUM_FILE))
+    _assert_refused(world2.run(case_load, path, "ours"), "CheckpointPathError", "outside")
+    # A sidecar left by another save into the same directory is not used: warn, load.
+    path = _copy(saved["ours"], tmp_path / "stale")
+    side = pathlib.Path(path, CHECKSUM_FILE)
+    doc = json.loads(side.read_text())
+    side.write_text(json.dumps({**doc, "save_id": "another-save"}))
+    for r in world2.run(case_load, path, "ours"):
+        assert r["error"] is None and "UncheckedCheckpointWarning" in r["warnings"]
+    # An unreadable sidecar is a damaged checkpoint.
+    side.write_text("{not json")
+    _assert_refused(world2.run(case_load, path, "ours"), "CheckpointIntegrityError", "unreadable")
+
+
 def test_checkpoint_error_types_and_pickling() -> None:
     # DCP ships a failing rank's exception to the others by pickling it: attributes survive.
     assert issubclass(UncheckedCheckpointWarning, UserWarning)
