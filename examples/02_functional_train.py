@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from functional_fsdp import fully_shard, run_local
-from functional_fsdp.functional import adamw, init, make_train_step
+from functional_fsdp.functional import adamw, chain, clip_by_global_norm, init, make_train_step
 from functional_fsdp.testing.models import GPT, GPTConfig, pattern_batch
 
 CFG = GPTConfig(vocab=256, dim=64, n_layers=2, n_heads=4, seq=32)
@@ -40,16 +40,16 @@ def train(steps: int, batch: int, accum: int) -> list[float]:
         fully_shard(block)
     fully_shard(model)
 
-    opt = adamw(3e-3, weight_decay=0.01)
+    opt = chain(clip_by_global_norm(1.0), adamw(3e-3, weight_decay=0.01))
     state = init(model, opt)
-    step = make_train_step(model, lambda m, b: m.loss(*b), opt, grad_accum=accum, max_grad_norm=1.0)
+    step = make_train_step(model, lambda m, b: m.loss(*b), opt, grad_accum=accum)
 
     losses = []
     t0 = time.perf_counter()
     for i in range(steps):
         batch_i = pattern_batch(CFG, batch, seed=1000 * i + rank)  # each rank its own data
         state, metrics = step(state, batch_i)
-        losses.append(metrics["loss"].item())
+        losses.append(metrics["loss"].item())  # the mean over the ranks
         if rank == 0 and (i % 5 == 0 or i == steps - 1):
             print(
                 f"step {int(state.step):3d}  loss {losses[-1]:.4f}  "
