@@ -1,6 +1,7 @@
 """functional_fsdp: fully sharded data parallelism for PyTorch around immutable state."""
 
 from . import errors, functional
+from ._tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from .comm import Communicator, Work
 from .functional import TrainState, apply_to_module, make_train_step
 from .functional import init as init_train_state
@@ -64,6 +65,10 @@ __all__ = [
     "save_checkpoint",
     "shard",
     "summon_full_params",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
     "unshard",
     "writeback",
 ]
