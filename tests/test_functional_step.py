@@ -237,7 +237,14 @@ def _case_clipping(clip: float) -> dict[str, Any]:
     model = _build()
     opt = chain(clip_by_global_norm(clip), _functional_opt("adamw"))
     state, losses, norms = _functional_train(model, opt, 3)
+    # The deprecated shortcut: same numbers, a state from init(model, adamw(...)), a warning.
+    with pytest.warns(DeprecationWarning, match="clip_by_global_norm"):
+        old, _, _ = _functional_train(_build(), _functional_opt("adamw"), 3, max_grad_norm=clip)
     return {
+        "deprecated_same": all(
+            torch.equal(old.params[k].full_tensor(), state.params[k].full_tensor())
+            for k in state.params
+        ),
         "norms": norms,
         "shell_norms": shell_norms,
         "loss": max(abs(a - b) / abs(b) for a, b in zip(losses, shell_losses)),
@@ -247,6 +254,7 @@ def _case_clipping(clip: float) -> dict[str, Any]:
 
 def test_clipping_by_global_norm_equals_clip_grad_norm(world: World) -> None:
     for r in world.run(_case_clipping, 0.05):
+        assert r["deprecated_same"]
         assert r["loss"] <= TOL and r["params"] <= TOL
         assert all(abs(a - b) / b <= TOL for a, b in zip(r["norms"], r["shell_norms"]))
         assert all(n > 0.05 for n in r["norms"])  # the clip was active
@@ -511,6 +519,7 @@ def _case_substituted_params_are_used() -> dict[str, float]:
     ref = _build(shard=False)
     x, _ = _batch(0, _rank())
     before = model(x).detach()
+    model.reshard()  # the root kept its full parameters registered (FSDP2's contract)
     zeros = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     out_zero = torch.func.functional_call(model, zeros, (x,))
     with torch.no_grad():
@@ -695,6 +704,7 @@ def _case_apply_to_module() -> dict[str, float]:
     )
     apply_to_module(state, model)
     got = model(batch[0])
+    model.reshard()  # the root kept its full parameters registered (FSDP2's contract)
     # Module API afterwards: one shell step from the written-back parameters, then back again.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model.loss(*batch).backward()

@@ -44,9 +44,9 @@ from ._stepping import Accumulated, accumulate_grads
 from .norms import StepNorms
 from .optim import Optimizer
 from .transforms import (
+    EmptyState,
     GradientTransformation,
     as_optimizer,
-    chain,
     check_functional_optimizer,
     clip_by_global_norm,
 )
@@ -260,7 +260,18 @@ def _with_clipping(optimizer: Any, max_grad_norm: float | None) -> Any:
     )
     if not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-    return chain(clip_by_global_norm(max_grad_norm), optimizer)
+    # Clipping in front of the optimizer, keeping the optimizer's own state structure, so a
+    # state from init(model, optimizer) works with the shortcut as before.
+    clip = clip_by_global_norm(max_grad_norm)
+    inner = as_optimizer(optimizer)
+
+    def update(
+        grads: Any, state: Any, params: Any, *, donate: bool = False, **extra: Any
+    ) -> tuple[Any, Any]:
+        grads, _ = clip.update(grads, EmptyState(), params, **extra)
+        return inner.update(grads, state, params, donate=donate, **extra)
+
+    return Optimizer(inner.init, update, inner.learning_rate)
 
 
 def _check_state(state: Any, names: list[str]) -> None:
