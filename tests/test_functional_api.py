@@ -322,3 +322,36 @@ def _case_summon_state() -> dict[str, bool]:
 def test_summon_state_edits_full_params_and_keeps_the_optimizer_state(world2: Any) -> None:
     for r in world2.run(_case_summon_state):
         assert all(r.values()), r
+
+
+def _case_fsdp2_checkpoint_resumes_functionally(path: str) -> float:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from functional_fsdp.functional import adamw, from_torch_optimizer, make_train_step
+
+    # An FSDP2-style checkpoint: the module's and torch AdamW's state dicts, saved with DCP.
+    model = _build()
+    torch_opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    _shell_steps(model, torch_opt, range(2))
+    model_sd, optim_sd = get_state_dict(model, torch_opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    # Resume: load it the FSDP2 way into a fresh module and optimizer, then go functional.
+    fresh = _build(seed=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2, weight_decay=0.1)
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    sd = {"model": model_sd, "optim": optim_sd}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(fresh, fresh_opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    opt = adamw(1e-2, weight_decay=0.1)
+    state = from_torch_optimizer(fresh, sd["optim"], opt)  # keyed by fqn
+    step = make_train_step(fresh, _loss, opt)
+    for s in range(2, 4):
+        state, _ = step(state, _batch(s))
+    _shell_steps(model, torch_opt, range(2, 4))
+    return _exact(state.params, model)
+
+
+def test_fsdp2_style_checkpoint_resumes_on_the_functional_path(world2: Any, tmp_path: Any) -> None:
+    path = str(tmp_path / "fsdp2_ckpt")
+    assert world2.run(_case_fsdp2_checkpoint_resumes_functionally, path) == [0.0, 0.0]
