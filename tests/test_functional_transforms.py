@@ -234,3 +234,22 @@ def test_records_are_pytrees_in_optree_default_namespace_and_torch() -> None:
     assert edited.step.item() == 1 and ts.step.item() == 0
     with pytest.raises(KeyError, match="momentum"):
         set_hyperparams(ts, momentum=0.1)
+
+
+def test_sharded_state_local_and_local_grad_by_name() -> None:
+    from functional_fsdp import reduce_grad, shard
+    from functional_fsdp.testing import SimulatedWorld
+
+    full = {"w": torch.randn(5, 3), "b": torch.randn(5)}
+    s = shard(full, world_size=2, rank=1)
+    assert torch.equal(s.local("w"), s.local(1)) and torch.equal(s.local("b"), s.local(0))
+    with pytest.raises(KeyError, match=r"no parameter named 'x'.*\['b', 'w'\]"):
+        s.local("x")
+    world = SimulatedWorld(2)
+
+    def per_rank(comm: Any) -> bool:
+        st = shard(full, world_size=2, rank=comm.rank)
+        g = reduce_grad({"w": torch.ones(5, 3), "b": torch.ones(5)}, st, comm)
+        return torch.equal(g.local_grad("w"), g.local_grad(1)) and g.local_grad("b") is not None
+
+    assert world.run(per_rank) == [True, True]

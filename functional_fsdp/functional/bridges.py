@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -96,7 +97,10 @@ def from_state_dict(template: TrainState, state_dict: dict[str, Any]) -> TrainSt
 
 # ------------------------------------------------------------------------ torch optimizers
 
-_TORCH_KEYS = {AdamWState: ("exp_avg", "exp_avg_sq"), SGDState: ("momentum_buffer",)}
+# torch's per-parameter state keys for each functional optimizer state (read-only).
+_TORCH_KEYS = MappingProxyType(
+    {AdamWState: ("exp_avg", "exp_avg_sq"), SGDState: ("momentum_buffer",)}
+)
 
 
 def _by_name(model: nn.Module, torch_opt: Any) -> dict[str, dict[str, Any]]:
