@@ -97,11 +97,13 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
 def _unsupported_checkpointing(err: Exception) -> UnsupportedError | None:
     text = str(err)
     if isinstance(err, CheckpointError) or "mixed torch.Tensor and DTensor" in text:
+        first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
         return UnsupportedError(
             "the functional step does not support activation checkpointing "
-            "(torch.utils.checkpoint / checkpoint_wrapper inside the model): the recompute "
-            "runs after functional_call has put the module's own parameters back. Train with "
-            "the module API (loss.backward() + a torch optimizer) or drop the checkpointing"
+            "(torch.utils.checkpoint / checkpoint_wrapper inside the model), the usual cause of "
+            f"this backward failure ({first[:120]}): the recompute runs after functional_call "
+            "has put the module's own parameters back. Train with the module API "
+            "(loss.backward() + a torch optimizer) or drop the checkpointing"
         )
     return None
 
