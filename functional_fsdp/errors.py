@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "CollectiveError",
+    "CollectiveTimeoutError",
+    "PeerAbortedError",
     "CheckpointIntegrityError",
     "CheckpointPathError",
     "DonatedStateError",
@@ -139,3 +142,20 @@ def _rebuild(cls: type[FSDPError], message: str, attributes: dict[str, Any]) -> 
     Exception.__init__(err, message)
     err.__dict__.update(attributes)
     return err
+
+
+class CollectiveError(FSDPError, RuntimeError):
+    """A collective could not complete because the ranks diverged or one of them failed.
+
+    Every rank ends in one (never a hang): the rank that times out tells the others through the
+    process group's store. Recovery: call ``reset_iter_state()`` on the root module on every
+    rank; the ranks agree on a fresh collective epoch and the next step runs normally.
+    """
+
+
+class CollectiveTimeoutError(CollectiveError, TimeoutError):
+    """This rank waited longer than the collective timeout for its peers (``FFSDP_COLLECTIVE_TIMEOUT``)."""
+
+
+class PeerAbortedError(CollectiveError):
+    """Another rank abandoned the current collectives (it failed, or called ``reset_iter_state``)."""

@@ -138,9 +138,9 @@ def _edit(model: nn.Module) -> None:
 def case_edit_writeback(mp: bool) -> None:
     ref, model = _models(mp)
     _, x = _batch(1)
+    params_before = list(model.parameters())  # the sharded DTensor parameters
     with torch.no_grad():
         model(x)  # the root keeps its unsharded buffer after forward: it must not go stale
-    params_before = list(model.parameters())
     with summon_full_params(model):
         for n, p in model.named_parameters():
             assert type(p) is nn.Parameter and p.dtype == torch.float32, n

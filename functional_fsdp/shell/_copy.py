@@ -26,7 +26,7 @@ import torch.nn as nn
 from ..errors import StateError
 from ..records import CPUOffloadPolicy, OffloadPolicy, ShardedState
 from .group import ParamGroup, TrainingState
-from .state import FSDPState, hooks_for
+from .state import FSDPState, hooks_for, register_fsdp_forward_method
 
 __all__ = ["deepcopy_fsdp_module"]
 
@@ -156,8 +156,6 @@ def _closes_over(fn: Any, obj: Any) -> bool:
 
 
 def _rebuild(states: list[FSDPState], groups: list[ParamGroup], memo: dict[Any, Any]) -> None:
-    from .api import register_fsdp_forward_method
-
     new_groups = {id(g): _copy_group(g, memo) for g in groups}
     new_states: dict[int, FSDPState] = {}
     for s in states:

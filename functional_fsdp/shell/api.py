@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-import math
-import numbers
-import types
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,14 +12,14 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..errors import MeshError, PolicyError, StateError, TiedParameterError
+from ..errors import MeshError, PolicyError, TiedParameterError
 from ..layout import check_sub_group_size
-from ..records import GroupLayout, MixedPrecisionPolicy, OffloadPolicy, ParamSpec
+from ..records import MixedPrecisionPolicy, OffloadPolicy, ParamSpec
 from ..transitions import shard_tensors
-from ._copy import deepcopy_fsdp_module
 from .checkpoint import readopt_after_load
 from .comm import ProcessGroupComm
-from .group import ParamGroup
+from .group import ParamGroup, TrainingState, layout_for
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
 from .state import FSDPState, hooks_for
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
@@ -78,6 +74,14 @@ def fully_shard(
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError("fully_shard expects an nn.Module or a non-empty list of nn.Modules")
+    for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
+            raise PolicyError(
+                f"fully_shard does not support containers that do not implement forward "
+                f"({type(m).__name__}): no hook would ever gather its parameters; call "
+                "fully_shard on each child (for block in model.layers: fully_shard(block)) and on "
+                "the module whose forward runs them"
+            )
     mp = MixedPrecisionPolicy.coerce(mp_policy)
     offload = OffloadPolicy.coerce(offload_policy)
     mesh = _resolve_mesh(mesh, modules)
@@ -105,7 +109,7 @@ def fully_shard(
                 if owner is not None:
                     raise TiedParameterError(
                         f"parameter {mod_name + '.' + pname if mod_name else pname!r} of {name} is "
-                        f"already managed by the fully_shard group of {owner!r}; a parameter tied "
+                        f"already managed by another FSDP group ({owner!r}); a parameter tied "
                         "across groups cannot be sharded twice: call fully_shard on a common parent "
                         "that holds both users, or untie the weights"
                     )
@@ -137,8 +141,23 @@ def fully_shard(
         m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         m.register_forward_hook(post)
         m.register_load_state_dict_post_hook(readopt_after_load)  # load_state_dict(assign=True)
-        _swap_class(m)
+        m.register_state_dict_pre_hook(_to_sharded_hook)
+        m._register_load_state_dict_pre_hook(_to_sharded_hook, with_module=True)
+        swap_class(m)
     return module
+
+
+def _to_sharded_hook(module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """``state_dict`` / ``load_state_dict`` pre-hook: reshard first (as FSDP2 does), so both see
+    and write the sharded ``DTensor`` s and a load never leaves a stale unsharded copy behind.
+
+    A module-level function reading the module's state when it runs: ``deepcopy`` keeps it.
+    """
+    del args, kwargs
+    state: Any = module._ffsdp_state
+    group = state.group
+    if group is not None and group.training_state is TrainingState.IDLE:
+        group.reshard()
 
 
 def _resolve_mesh(mesh: DeviceMesh | None, modules: list[nn.Module]) -> DeviceMesh:
@@ -154,7 +173,7 @@ def _resolve_mesh(mesh: DeviceMesh | None, modules: list[nn.Module]) -> DeviceMe
         raise MeshError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise MeshError(
-            f"mesh must be 1-D (FSDP) or 2-D (replicate, shard) for HSDP, got a {mesh.ndim}-D mesh; "
+            f"fully_shard expects a 1D or 2D DeviceMesh: 1-D (FSDP) or 2-D (replicate, shard) for HSDP, got a {mesh.ndim}-D mesh; "
             "slice the data-parallel dims out of a larger mesh (mesh['dp'])"
         )
     if mesh.get_coordinate() is None:
@@ -167,7 +186,7 @@ def _validate_reshard(value: bool | int | None, shard_size: int) -> bool | int:
         return True if value is None else value
     if not isinstance(value, int):
         raise PolicyError(
-            f"reshard_after_forward must be a bool, an int or None, got {type(value).__name__}"
+            f"reshard_after_forward should be a bool or an int (or None), got {type(value).__name__}"
         )
     check_sub_group_size(value, shard_size)
     if value == 1:
@@ -212,11 +231,7 @@ def _build_group(
                     )
                 dim = placement.dim
         specs.append(ParamSpec(fqns[id(p)], tuple(p.shape), p.dtype, p.requires_grad, dim))
-    layout = GroupLayout.build(
-        specs, shard_size, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype
-    )
-    if mp.reduce_dtype is not None and mp.reduce_dtype == mp.param_dtype:
-        layout = GroupLayout.build(specs, shard_size, param_dtype=mp.param_dtype, reduce_dtype=None)
+    layout = layout_for(specs, shard_size, mp)
     device = _compute_device(mesh)
     src = [p.detach() for p in params]
     if not any(t.is_meta for t in src):
@@ -235,10 +250,13 @@ def _build_group(
         import attrs
 
         state = attrs.evolve(state, flat=flat)
-    comm = _mesh_comm(mesh, -1)
-    rep = _mesh_comm(mesh, 0) if mesh.ndim == 2 else None
+    # Each group gets its own scoped view of the shared communicators (the schedule check).
+    comm = _mesh_comm(mesh, -1).scoped()
+    rep = _mesh_comm(mesh, 0).scoped() if mesh.ndim == 2 else None
     sub = (
-        _sub_group_comm(mesh, raf) if (isinstance(raf, int) and not isinstance(raf, bool)) else None
+        _sub_group_comm(mesh, raf).scoped()
+        if (isinstance(raf, int) and not isinstance(raf, bool))
+        else None
     )
     return ParamGroup(
         layout,
@@ -295,192 +313,3 @@ def _sub_group_comm(mesh: DeviceMesh, size: int) -> ProcessGroupComm:
                     mine = pg
         cache[size] = ProcessGroupComm(mine)
     return cache[size]
-
-
-def _swap_class(module: nn.Module) -> None:
-    cls = module.__class__
-    if isinstance(module, FSDPModule):
-        return
-    new_cls: type = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
-    module.__class__ = new_cls
-
-
-class UnshardHandle:
-    """Handle of :meth:`FSDPModule.unshard` with ``async_op=True``; ``wait()`` finishes it."""
-
-    def __init__(self, groups: list[ParamGroup]) -> None:
-        self._groups = groups
-
-    def wait(self) -> None:
-        """Block until the all-gathers are done and the full parameters are on the modules."""
-        for g in self._groups:
-            g.wait_unshard()
-            g.register_full(g.views)
-        self._groups = []
-
-
-def _states(module: nn.Module, recurse: bool) -> list[FSDPState]:
-    if not recurse:
-        return [module._ffsdp_state]  # type: ignore[list-item]
-    return [s for m in module.modules() if (s := getattr(m, "_ffsdp_state", None)) is not None]
-
-
-class FSDPModule:
-    """Mixin of every module passed to :func:`fully_shard`; FSDP2's ``FSDPModule`` methods."""
-
-    _ffsdp_state: FSDPState
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        # Indexing a container (nn.Sequential[1:]) builds a new instance: give the original class.
-        orig: Any = cls.__mro__[2]
-        self = orig.__new__(orig)
-        self.__init__(*args, **kwargs)
-        return self
-
-    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """All-gather this module's parameters (they stay unsharded until resharded)."""
-        g = self._ffsdp_state.group
-        groups = [g] if g is not None else []
-        for gr in groups:
-            gr.start_unshard()
-        handle = UnshardHandle(groups)
-        if async_op:
-            return handle
-        handle.wait()
-        return None
-
-    def reshard(self) -> None:
-        """Free the unsharded parameters and register the sharded ones."""
-        g = self._ffsdp_state.group
-        if g is not None:
-            g.discard_pending()
-            g.free()
-            g.register_sharded()
-
-    def __deepcopy__(self, memo: dict[Any, Any]) -> Any:
-        """An independent sharded copy: own sharded buffers, parameters, groups and hooks."""
-        return deepcopy_fsdp_module(self, memo)  # type: ignore[arg-type]
-
-    def reset_iter_state(self) -> None:
-        """Reset training state after an exception mid-iteration (nothing is corrupted)."""
-        self._ffsdp_state.reset()
-
-    def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last of the iteration (root only)."""
-        self._ffsdp_state.is_last_backward = is_last_backward
-
-    def set_requires_gradient_sync(
-        self, requires_gradient_sync: bool, *, recurse: bool = True
-    ) -> None:
-        """Reduce gradients in backward (``True``) or accumulate them unsharded (``False``)."""
-        for s in _states(self, recurse):  # type: ignore[arg-type]
-            if s.group is not None:
-                s.group.requires_gradient_sync = requires_gradient_sync
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: all-reduce across replicas now (``True``) or keep a partial sum (``False``)."""
-        for s in _states(self, recurse):  # type: ignore[arg-type]
-            if s.group is not None:
-                s.group.requires_all_reduce = requires_all_reduce
-
-    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
-        """Change ``reshard_after_forward`` (bool only, as in FSDP2)."""
-        if not isinstance(reshard_after_forward, bool):
-            raise PolicyError(
-                f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}"
-            )
-        for s in _states(self, recurse):  # type: ignore[arg-type]
-            s.user_reshard_after_forward = reshard_after_forward
-            if s.group is not None:
-                s.group.reshard_after_forward = reshard_after_forward
-
-    def set_reshard_after_backward(
-        self, reshard_after_backward: bool, *, recurse: bool = True
-    ) -> None:
-        """Free the unsharded parameters after backward (default ``True``)."""
-        for s in _states(self, recurse):  # type: ignore[arg-type]
-            if s.group is not None:
-                s.group.reshard_after_backward = reshard_after_backward
-
-    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Explicit forward prefetch: all-gather these modules when this one's forward starts."""
-        _check_fsdp_modules(modules)
-        self._ffsdp_state.explicit_forward_prefetch = [m._ffsdp_state for m in modules]
-
-    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
-        """Explicit backward prefetch: all-gather these modules when this one's backward starts."""
-        _check_fsdp_modules(modules)
-        self._ffsdp_state.explicit_backward_prefetch = [m._ffsdp_state for m in modules]
-
-    def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide gradients by ``factor`` instead of the data-parallel size.
-
-        Raises:
-            PolicyError: ``factor`` is not a positive, finite number (checked before any change).
-        """
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
-            raise PolicyError(
-                f"set_gradient_divide_factor expects a positive number, got {type(factor).__name__}"
-            )
-        if not (math.isfinite(factor) and factor > 0):
-            raise PolicyError(
-                f"set_gradient_divide_factor({factor!r}): the factor must be a positive, finite "
-                "number (gradients are divided by it); use the data-parallel size for averaging"
-            )
-        for s in _states(self, True):  # type: ignore[arg-type]
-            if s.group is not None:
-                s.group.divide_factor = factor
-
-    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
-        """Deprecated alias of :meth:`set_gradient_divide_factor`."""
-        self.set_gradient_divide_factor(factor)
-
-    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
-        """Use sum reductions with explicit pre/post division (no ``avg`` reductions)."""
-        for s in _states(self, True):  # type: ignore[arg-type]
-            if s.group is not None:
-                s.group.force_sum = enable
-
-    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool) -> None:
-        """Also reduce-scatter (zero) gradients of parameters that got none."""
-        for s in _states(self, True):  # type: ignore[arg-type]
-            if s.group is not None:
-                s.group.reduce_unused = reduce_scatter_unused_params
-
-    def set_post_optim_event(self, event: Any) -> None:
-        """Accepted for compatibility; CPU collectives need no cross-stream event."""
-        del event
-
-    def _apply(self, *args: Any, **kwargs: Any) -> Any:
-        self.reshard()
-        ret = super()._apply(*args, **kwargs)  # type: ignore[misc]
-        g = self._ffsdp_state.group
-        if g is not None:
-            g.refresh_from_modules()
-        return ret
-
-
-def _check_fsdp_modules(modules: Iterable[Any]) -> None:
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            raise StateError(
-                f"expected modules passed to fully_shard, got {type(m).__name__}; fully_shard it first"
-            )
-
-
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Run FSDP's pre/post-forward around ``module.method_name`` (e.g. ``generate``)."""
-    if not isinstance(module, FSDPModule):
-        raise StateError(
-            f"{type(module).__name__} is not an FSDP module; call fully_shard on it first"
-        )
-    orig = getattr(type(module), method_name)
-    state = module._ffsdp_state
-
-    @functools.wraps(orig)
-    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(self, args, kwargs)
-        out = orig(self, *args, **kwargs)
-        return state.post_forward(self, args, out)
-
-    object.__setattr__(module, method_name, types.MethodType(wrapped, module))

@@ -10,34 +10,85 @@ replacements move the same bytes as the native collective, so gloo groups use th
 
 from __future__ import annotations
 
+import os
+import queue
+import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..comm import DoneWork, Work
+from ..errors import CollectiveError, CollectiveTimeoutError, PeerAbortedError
 
-__all__ = ["ProcessGroupComm"]
+__all__ = ["ProcessGroupComm", "ScopedComm", "resync"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
 
 
 class _ThenWork:
-    """Wait for ``works``, then run ``then`` once (e.g. the local sum of an all-to-all)."""
+    """Wait for ``works`` (bounded, abort-aware, through ``comm``), then run ``then`` once
+    (e.g. the local sum of a point-to-point reduce-scatter)."""
 
-    __slots__ = ("_then", "_works")
+    __slots__ = ("_comm", "_then", "_what", "_works")
 
-    def __init__(self, works: list, then: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        works: list,
+        then: Callable[[], None] | None = None,
+        *,
+        comm: ProcessGroupComm,
+        what: str,
+    ) -> None:
         self._works = works
         self._then = then
+        self._comm = comm
+        self._what = what
 
     def wait(self) -> None:
-        for w in self._works:
-            w.wait()
-        self._works = []
+        if self._works:
+            works, self._works = self._works, []
+            self._comm.wait_works(works, self._what)
         if self._then is not None:
             then, self._then = self._then, None
             then()
+
+
+class _Waiter:
+    """A thread that blocks in gloo's ``Work.wait()`` (which cannot be interrupted, and whose
+    own timeout closes the connection) while the caller waits on an event in slices, checking
+    the deadline and the peers' abort flag in between. A wait that is abandoned leaves its
+    thread blocked; the next wait starts a new one."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, works: list) -> tuple[threading.Event, list]:
+        if self._thread is None or not self._thread.is_alive():
+            self._jobs = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._run, args=(self._jobs,), daemon=True)
+            self._thread.start()
+        done = threading.Event()
+        box: list[BaseException] = []
+        self._jobs.put((works, done, box))
+        return done, box
+
+    def abandon(self) -> None:
+        self._thread = None
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue) -> None:
+        while True:
+            works, done, box = jobs.get()
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as e:  # handed to the waiting caller
+                box.append(e)
+            done.set()
 
 
 class ProcessGroupComm:
@@ -65,18 +116,123 @@ class ProcessGroupComm:
         # all-gather beside a reduce-scatter): each call gets its own tag range. Every rank
         # issues collectives in the same order, so the counters agree.
         self._calls = 0
+        # Schedule check: a tag also encodes which collective it belongs to (group key and
+        # kind) and the epoch, so ranks that run different collectives never pair their
+        # messages; they time out instead and every rank raises a named error.
+        self.check_schedule = os.environ.get("FFSDP_SCHEDULE_CHECK", "1") != "0"
+        self.timeout_s = float(os.environ.get("FFSDP_COLLECTIVE_TIMEOUT", "600"))
+        self._epoch = 0
+        self._waiter = _Waiter()
+        self._abandoned: list[Any] = []  # works (and their buffers) a failed step left posted
+        # Ids that agree across ranks without any global registry: per-rank counters in the
+        # process group's store (rank r's k-th id is k on every rank, as fully_shard runs in
+        # the same order everywhere).
+        self._store: Any = None
+        self._pg_prefix = f"ffsdp/{getattr(self.group, 'group_name', 'pg')}/"
+        self._uid = self._next_id("comms") if self._world_size > 1 else 0
+        self._aborts_seen = self._aborts() if self._world_size > 1 else 0
 
     @property
     def supports_pieces(self) -> bool:
         """Whether the pieces collectives are native here (point-to-point on gloo)."""
         return self._p2p
 
-    def _tags(self, count: int) -> int:
-        base = (self._calls % 4096) * 65536
+    def scoped(self) -> ScopedComm:
+        """A view of this communicator for one parameter group: its collectives carry the
+        group's key in their tags (keys are handed out in ``fully_shard`` order, the same on
+        every rank, unique within the process group)."""
+        return ScopedComm(self, self._next_id("group_keys") if self._world_size > 1 else 0)
+
+    def _next_id(self, what: str) -> int:
+        return int(self._get_store().add(f"{self._pg_prefix}{what}/{dist.get_rank()}", 1))
+
+    def _aborts(self) -> int:
+        return int(self._get_store().add(f"{self._pg_prefix}aborts", 0))
+
+    def _tags(self, count: int, key: int = 0, kind: int = 0) -> int:
+        """Base tag of one collective: ``epoch (2 bits) | fingerprint (9) | seq (8) | piece (12)``."""
+        if count > 4096:
+            raise ValueError(
+                f"too many pieces in one collective ({count} > 4096); split the group with "
+                "more fully_shard calls"
+            )
+        seq = self._calls % 256
         self._calls += 1
-        if count > 65536:
-            raise ValueError(f"too many pieces in one collective ({count})")
-        return base
+        fp = (key * 8 + kind) % 509 if self.check_schedule else 0
+        return ((((self._epoch % 4) << 9 | fp) << 8) | seq) << 12
+
+    # ------------------------------------------------------------------ bounded waits
+
+    def _get_store(self) -> Any:
+        if self._store is None:
+            self._store = dist.distributed_c10d._get_default_store()
+        return self._store
+
+    def wait_works(self, works: list, what: str) -> None:
+        """Wait for ``works``; raise a named error (never hang) when the peers diverged or
+        abandoned them. Costs nothing when they are already complete."""
+        if all(w.is_completed() for w in works):
+            for w in works:
+                w.wait()
+            return
+        done, box = self._waiter.submit(works)
+        deadline = time.monotonic() + self.timeout_s
+        while not done.wait(0.1):
+            aborted = self._peer_aborted()
+            if aborted is not None or time.monotonic() > deadline:
+                self._abandon(works)
+                if aborted is None:
+                    self._post_abort()
+                    raise CollectiveTimeoutError(
+                        f"rank {self._rank} waited {self.timeout_s:g} s for {what} (collective "
+                        f"#{self._calls} of epoch {self._epoch}); the other ranks are running "
+                        "a different schedule of collectives: a submodule run on some ranks "
+                        "only, a different number of micro-batches, set_requires_gradient_sync "
+                        "on some ranks only, or an exception on another rank. Call "
+                        "reset_iter_state() on the root module on every rank to recover "
+                        "(FFSDP_COLLECTIVE_TIMEOUT sets the limit in seconds)"
+                    )
+                raise PeerAbortedError(
+                    f"rank {aborted} abandoned the current collectives while rank {self._rank} "
+                    f"waited for {what}; call reset_iter_state() on the root module on every "
+                    "rank to recover"
+                )
+        if box:
+            raise CollectiveError(
+                f"{what} failed on rank {self._rank}: {box[0]}; a peer process probably died "
+                "or closed the connection (see its log)"
+            ) from box[0]
+
+    def _peer_aborted(self) -> str | None:
+        """Which rank gave up on the current collectives (``None``: nobody)."""
+        if self._aborts() <= self._aborts_seen:
+            return None
+        last = self._get_store().get(f"{self._pg_prefix}last_abort")
+        return last.decode()
+
+    def _post_abort(self) -> None:
+        store = self._get_store()
+        store.set(f"{self._pg_prefix}last_abort", str(dist.get_rank()))
+        store.add(f"{self._pg_prefix}aborts", 1)
+
+    def _abandon(self, works: list) -> None:
+        # The posted buffers stay referenced: a late message must never land in freed memory.
+        self._abandoned.append(works)
+        self._waiter.abandon()
+
+    def _barrier(self, name: str) -> None:
+        """Wait until every rank of the group reached ``name`` (through the store; bounded)."""
+        store = self._get_store()
+        key = f"{self._pg_prefix}{self._uid}/{name}/{self._epoch}"
+        store.add(key, 1)
+        deadline = time.monotonic() + self.timeout_s
+        while int(store.add(key, 0)) < self._world_size:
+            if time.monotonic() > deadline:
+                raise CollectiveTimeoutError(
+                    f"reset_iter_state on rank {self._rank} waited {self.timeout_s:g} s for the "
+                    "other ranks; call reset_iter_state() on the root module on every rank"
+                )
+            time.sleep(0.005)
 
     def all_gather_pieces(
         self,
@@ -84,6 +240,8 @@ class ProcessGroupComm:
         inputs: list[torch.Tensor],
         *,
         async_op: bool = False,
+        key: int = 0,
+        kind: int = 1,
     ) -> Work:
         """``outputs[r][i]`` receives rank ``r``'s ``inputs[i]`` (this rank's: a local copy)."""
         me, ws = self._rank, self._world_size
@@ -91,7 +249,7 @@ class ProcessGroupComm:
             for o, t in zip(outputs[me], inputs):
                 o.copy_(t)
             return DoneWork()
-        base = self._tags(len(inputs))
+        base = self._tags(len(inputs), key, kind)
         ops = []
         for r in range(ws):
             if r == me:
@@ -107,7 +265,7 @@ class ProcessGroupComm:
         # The local copy runs while the peers' pieces are on the wire.
         for o, t in zip(outputs[me], inputs):
             o.copy_(t)
-        work = _ThenWork(works)
+        work = _ThenWork(works, comm=self, what=f"all-gather of group {key}")
         if not async_op:
             work.wait()
         return work
@@ -119,6 +277,8 @@ class ProcessGroupComm:
         *,
         op: str = "sum",
         async_op: bool = False,
+        key: int = 0,
+        kind: int = 2,
     ) -> Work:
         """``outputs[i]`` receives the reduction over ranks of their ``inputs[rank][i]``.
 
@@ -126,7 +286,7 @@ class ProcessGroupComm:
         """
         me, ws = self._rank, self._world_size
         own = inputs[me]
-        base = self._tags(len(outputs))
+        base = self._tags(len(outputs), key, kind)
         peers = [r for r in range(ws) if r != me]
         # Two ranks receive straight into the outputs; more ranks receive into a temporary so
         # the sum can run in rank order.
@@ -166,7 +326,12 @@ class ProcessGroupComm:
                 if op == "avg":
                     out.div_(ws)
 
-        work = _ThenWork(dist.batch_isend_irecv(ops) if ops else [], then)
+        work = _ThenWork(
+            dist.batch_isend_irecv(ops) if ops else [],
+            then,
+            comm=self,
+            what=f"reduce-scatter of group {key}",
+        )
         if not async_op:
             work.wait()
         return work
@@ -182,7 +347,7 @@ class ProcessGroupComm:
         return self._world_size
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, key: int = 0
     ) -> Work:
         """Rank-major all-gather of 1-D ``input`` into ``output``."""
         if self._world_size == 1:
@@ -191,19 +356,21 @@ class ProcessGroupComm:
         if not self._p2p:
             w = dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
             return _done(w, async_op)
+        # Point to point, one piece per rank (same bytes as gloo's broadcasts, and the tags
+        # carry the schedule check).
         chunks = output.chunk(self._world_size)
-        chunks[self._rank].copy_(input)
-        works = [
-            dist.broadcast(c, src=src, group=self.group, async_op=True)
-            for c, src in zip(chunks, self._global_ranks)
-        ]
-        work = _ThenWork(works)
-        if not async_op:
-            work.wait()
-        return work
+        return self.all_gather_pieces(
+            [[c] for c in chunks], [input], async_op=async_op, key=key, kind=3
+        )
 
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, *, op: str = "sum", async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        op: str = "sum",
+        async_op: bool = False,
+        key: int = 0,
     ) -> Work:
         """Reduce 1-D ``input`` (``ws * n``) over ranks; this rank keeps chunk ``rank``."""
         ws = self._world_size
@@ -217,66 +384,135 @@ class ProcessGroupComm:
             return _done(w, async_op)
         if self._p2p:
             # Send chunk j to rank j, receive this rank's chunk from every peer: the bytes of a
-            # reduce-scatter, and a receive buffer of (ws - 1) chunks, not ws.
-            n = output.numel()
-            chunks = input.view(ws, n)
-            peers = [r for r in range(ws) if r != self._rank]
-            received = torch.empty(len(peers), n, dtype=input.dtype, device=input.device)
-            tag = self._tags(1)
-            ops = [
-                dist.P2POp(dist.isend, chunks[r], self._global_ranks[r], self.group, tag)
-                for r in peers
-            ]
-            ops += [
-                dist.P2POp(dist.irecv, received[k], self._global_ranks[r], self.group, tag)
-                for k, r in enumerate(peers)
-            ]
-            works = dist.batch_isend_irecv(ops)
+            # reduce-scatter; summed in rank order as a single-process sum over ranks would.
+            chunks = input.view(ws, -1)
+            outs = [output.view(-1)]
+            ins = [[chunks[r]] for r in range(ws)]
+            return self.reduce_scatter_pieces(outs, ins, op=op, async_op=async_op, key=key, kind=4)
+        received = input.clone()
+        works = [dist.all_reduce(received, group=self.group, async_op=True)]
 
-            def then() -> None:
-                # Sum in rank order (rank 0 first), as a single-process sum over ranks would.
-                parts = [received[k] for k in range(len(peers))]
-                parts.insert(self._rank, chunks[self._rank])
-                out = output.view(-1)
-                torch.add(parts[0], parts[1], out=out)
-                for p in parts[2:]:
-                    out.add_(p)
-                if op == "avg":
-                    out.div_(ws)
+        def then() -> None:
+            output.copy_(received.view(ws, -1)[self._rank])
+            if op == "avg":
+                output.div_(ws)
 
-        else:
-            received = input.clone()
-            works = [dist.all_reduce(received, group=self.group, async_op=True)]
-
-            def then() -> None:
-                output.copy_(received.view(ws, -1)[self._rank])
-                if op == "avg":
-                    output.div_(ws)
-
-        work = _ThenWork(works, then)
+        work = _ThenWork(works, then, comm=self, what="reduce-scatter")
         if not async_op:
             work.wait()
         return work
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Work:
-        """In-place all-reduce; ``avg`` is a sum and a division on gloo."""
+    def all_reduce(
+        self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False, key: int = 0
+    ) -> Work:
+        """In-place all-reduce; ``avg`` is a sum and a division on gloo. (gloo's native
+        collective: its waits are bounded and abort-aware, its messages carry no key.)"""
+        del key
         if self._world_size == 1:
             return DoneWork()
+        then = None
         if op == "avg" and self._sum_only:
             w = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
 
-            def divide() -> None:
+            def then() -> None:
                 tensor.div_(self._world_size)
 
-            work = _ThenWork([w], divide)
         else:
-            work = _ThenWork(
-                [dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)]
-            )
+            w = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
+        work = _ThenWork([w], then, comm=self, what="all-reduce")
         if not async_op:
             work.wait()
         return work
+
+
+class ScopedComm:
+    """One parameter group's view of a :class:`ProcessGroupComm`: the same process group and
+    tag counter, with the group's key stamped on every collective (the schedule check).
+
+    Attributes:
+        base: the shared communicator.
+        key: the group's key (``fully_shard`` order).
+    """
+
+    supports_pieces: bool
+
+    def __init__(self, base: ProcessGroupComm, key: int) -> None:
+        self.base = base
+        self.key = key
+        self.supports_pieces = base.supports_pieces
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the group."""
+        return self.base.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group."""
+        return self.base.world_size
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
+        """See :meth:`ProcessGroupComm.all_gather`."""
+        return self.base.all_gather(output, input, async_op=async_op, key=self.key)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: str = "sum", async_op: bool = False
+    ) -> Work:
+        """See :meth:`ProcessGroupComm.reduce_scatter`."""
+        return self.base.reduce_scatter(output, input, op=op, async_op=async_op, key=self.key)
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Work:
+        """See :meth:`ProcessGroupComm.all_reduce`."""
+        return self.base.all_reduce(tensor, op=op, async_op=async_op, key=self.key)
+
+    def all_gather_pieces(
+        self,
+        outputs: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        *,
+        async_op: bool = False,
+    ) -> Work:
+        """See :meth:`ProcessGroupComm.all_gather_pieces`."""
+        return self.base.all_gather_pieces(outputs, inputs, async_op=async_op, key=self.key)
+
+    def reduce_scatter_pieces(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[list[torch.Tensor]],
+        *,
+        op: str = "sum",
+        async_op: bool = False,
+    ) -> Work:
+        """See :meth:`ProcessGroupComm.reduce_scatter_pieces`."""
+        return self.base.reduce_scatter_pieces(
+            outputs, inputs, op=op, async_op=async_op, key=self.key
+        )
 
 
 def _done(work: object, async_op: bool) -> Work:
     return work if (async_op and work is not None) else DoneWork()  # type: ignore[return-value]
+
+
+def resync(comms: list[ProcessGroupComm]) -> None:
+    """After a failed step, on every rank: tell the peers to stop waiting (they raise
+    :class:`PeerAbortedError`), wait until every rank resyncs, and start a fresh epoch of tags on
+    each communicator, so nothing the failed step left in flight pairs with the next step.
+    """
+    comms = [c for c in comms if c.world_size > 1]
+    for c in comms:
+        c._post_abort()
+    for c in comms:
+        c._barrier("resync")
+    # One more barrier per process group: every rank's abort posts are in before anyone reads
+    # the counter it will compare against from now on.
+    firsts: dict[str, ProcessGroupComm] = {}
+    for c in comms:
+        firsts.setdefault(c._pg_prefix, c)
+    for c in firsts.values():
+        c._barrier("resynced")
+    for c in comms:
+        c._epoch += 1
+        c._calls = 0
+        c._aborts_seen = c._aborts()

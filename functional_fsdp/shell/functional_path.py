@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from .. import layout as L
 from .. import transitions as T
 from ..records import ShardedState
+from .autograd import GatherFn
 
 if TYPE_CHECKING:
     from .group import ParamGroup
@@ -62,12 +63,12 @@ __all__ = [
 
 def substituted(group: ParamGroup) -> bool:
     """Whether any parameter slot of ``group`` holds a tensor other than the group's own."""
-    own_full = group.views if group.is_unsharded else ()
     for i, (p, holders) in enumerate(zip(group.params, group.holders)):
         module, name = holders[0]
         slot = module._parameters.get(name)
-        # After FSDPModule.unshard() the group's own full views sit in the slots.
-        if slot is not p and not (own_full and slot is own_full[i]):
+        # After FSDPModule.unshard() (or a forward that kept the group unsharded) the group's
+        # own full parameters sit in the slots.
+        if slot is not p and not group.owns_full(i, slot):
             return True
     return False
 
@@ -188,7 +189,7 @@ def pre_forward(state: FSDPState) -> bool:
         _check_sources(g, sources)
         call.sources = sources
         call.prefetch = fwd.prefetched.pop(state, None)
-        fulls = _GatherFn.apply(call, *sources)
+        fulls = GatherFn.apply(call, *sources)
         g.register_full(fulls)
         fwd.calls.append(call)
         call.is_root = state.is_root
@@ -276,6 +277,7 @@ class GatherCall:
 
     __slots__ = (
         "buffer",
+        "create_graph",
         "deferred",
         "forward",
         "group",
@@ -298,6 +300,20 @@ class GatherCall:
         self.prefetch: _Prefetch | None = None
         self.deferred: DeferredReductions | None = None
         self.is_root = False
+        # Set by a backward run with create_graph=True: the reduction is recorded for double
+        # backward (its adjoint is an all-gather) and the full parameters stay for it.
+        self.create_graph = False
+
+    @classmethod
+    def for_group(cls, group: ParamGroup) -> GatherCall:
+        """A call over the group's own sharded state and buffer (the module path's gradients
+        returned to ``torch.autograd.grad``); the group keeps managing its buffer."""
+        call = cls.__new__(cls)
+        call.group, call.forward, call.prev = group, None, None
+        call.sources, call.sharded, call.buffer = (), group.state, None
+        call.pending = call.prefetch = call.deferred = None
+        call.is_root, call.create_graph = False, False
+        return call
 
     # forward
 
@@ -359,11 +375,11 @@ class GatherCall:
         g = self.group
         assert self.sharded is not None
         grads = [gr if rg else None for gr, rg in zip(grads, g.requires_grad)]
-        if g.reshard_after_backward:
+        if g.reshard_after_backward and not self.create_graph:
             self.free()
         if not any(gr is not None for gr in grads):
             return (None,) * len(grads)
-        deferred = self.deferred
+        deferred = None if self.create_graph else self.deferred
         pending = g.begin_reduce(
             grads, self.sharded, async_op=deferred is not None, all_reduce=True
         )
@@ -459,67 +475,3 @@ def _pack(group: ParamGroup, sources: Sequence[torch.Tensor]) -> ShardedState:
         if pairs:
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
     return state
-
-
-# ------------------------------------------------------------------------------ autograd
-
-
-class _GatherFn(torch.autograd.Function):
-    """Forward: all-gather the sources. Backward: reduce-scatter (through :class:`_ReduceFn`).
-
-    Written in the ``setup_context`` style so ``torch.func`` transforms can run it.
-    """
-
-    @staticmethod
-    def forward(call: GatherCall, *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return call.gather(sources)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        call = inputs[0]
-        ctx.call = call
-        ctx.set_materialize_grads(False)
-        frozen = [o for o, rg in zip(output, call.group.requires_grad) if not rg]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        # Under torch.func the grads arrive wrapped at the transform's level: a second Function
-        # unwraps them, runs the collective on plain tensors and wraps the sharded results.
-        return (None, *_ReduceFn.apply(ctx.call, *grads))
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple, call: GatherCall, *sources: torch.Tensor) -> Any:
-        raise NotImplementedError(
-            "vmap over the parameters of a sharded module (e.g. model ensembling) is not "
-            "supported: each parameter is one DTensor shard per rank. vmap over the inputs works "
-            "(pass the parameters unbatched, in_dims=None)"
-        )
-
-
-class _ReduceFn(torch.autograd.Function):
-    """Forward: reduce-scatter full gradients into sharded ``DTensor`` gradients."""
-
-    @staticmethod
-    def forward(call: GatherCall, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        return call.reduce(grads)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        ctx.set_materialize_grads(False)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        raise NotImplementedError(
-            "higher-order derivatives (grad of grad, hessian) through a sharded module are not "
-            "supported: the gradient reduce-scatter has no registered derivative"
-        )
-
-    @staticmethod
-    def vmap(info: Any, in_dims: tuple, call: GatherCall, *grads: Any) -> Any:
-        raise NotImplementedError(
-            "batched gradients through a sharded module (jacrev/jacfwd over parameters, "
-            "per-sample gradients with vmap(grad(...))) are not supported: the reduce-scatter "
-            "runs once per backward. Use grad/vjp per example, or vmap over inputs only"
-        )

@@ -4,7 +4,7 @@ Everything else here is a cache (views, DTensor parameters) or a buffer in fligh
 unsharded parameters are views into one persistent buffer per group; "resharding" frees that
 buffer's storage (``resize_(0)``) and "unsharding" re-allocates it and copies the all-gather into
 it, so tensors autograd saved during forward see the data again in backward. Gradient reduction
-is the backward of the unshard (:class:`_UnshardFn`).
+is the backward of the unshard (:class:`~.autograd.UnshardFn`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,12 @@ from ..records import (
     GroupLayout,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    ParamSpec,
     ShardedState,
 )
+from .autograd import UnshardFn, reduce_differentiably
+from .comm import ProcessGroupComm, ScopedComm
+from .functional_path import GatherCall
 from .memory import huge_page_advisor
 
 __all__ = ["ParamGroup", "TrainingState"]
@@ -49,6 +53,22 @@ class TrainingState(enum.Enum):
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
     SUMMON_FULL_PARAMS = "summon_full_params"  # inside summon_full_params (FSDP1's state)
+
+
+def layout_for(
+    specs: Sequence[ParamSpec], world_size: int, mp_policy: MixedPrecisionPolicy
+) -> GroupLayout:
+    """The group layout of ``specs`` under FSDP2's mixed-precision rules.
+
+    ``reduce_dtype`` is dropped when it equals ``param_dtype`` (FSDP2 reduces in the compute
+    dtype then).
+    """
+    reduce = mp_policy.reduce_dtype
+    if reduce is not None and reduce == mp_policy.param_dtype:
+        reduce = None
+    return GroupLayout.build(
+        specs, world_size, param_dtype=mp_policy.param_dtype, reduce_dtype=reduce
+    )
 
 
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
@@ -102,18 +122,7 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.name = name
-        hsdp = replicate_comm is not None
-        self._placements = [
-            ((Replicate(), Shard(d)) if hsdp else (Shard(d),)) for d in layout.shard_dims
-        ]
-        self._specs = [
-            DTensorSpec(
-                mesh,
-                pl,
-                tensor_meta=TensorMeta(torch.Size(s.shape), _contiguous_stride(s.shape), s.dtype),
-            )
-            for s, pl in zip(layout.specs, self._placements)
-        ]
+        self._set_layout(layout)
         self.params: list[nn.Parameter] = [
             nn.Parameter(self._dtensor(state.local(i), i), requires_grad=rg)
             for i, rg in enumerate(requires_grad)
@@ -126,6 +135,13 @@ class ParamGroup:
         self.views: tuple[torch.Tensor, ...] = ()
         self.full_outputs: tuple[torch.Tensor, ...] | None = None
         self.pending: T.PendingUnshard | None = None
+        # Versions of the sharded buffer that the unsharded data in hand (the buffer, the
+        # gather in flight, the post-forward rows) was gathered from: any write to a sharded
+        # parameter since (load_state_dict, an optimizer step, copy_, summon writeback) bumps
+        # the buffer's version and makes that data stale.
+        self._unsharded_version = -1
+        self._pending_version = -1
+        self._post_forward_version = -1
         self.post_forward: Any = None
         self.gather_output: torch.Tensor | None = None
         self.is_unsharded = False
@@ -133,6 +149,11 @@ class ParamGroup:
         self.accumulated: list[torch.Tensor | None] | None = None
         self.training_state = TrainingState.IDLE
         self.ran_post_backward = False
+        # The AccumulateGrad node of a trained parameter (to tell autograd.grad from backward),
+        # and whether a create_graph backward needs the full parameters for a double backward.
+        self._grad_accumulator: Any = None
+        self._abandoned: list[Any] = []  # in-flight work a failed step left (kept referenced)
+        self.keep_for_double_backward = False
         # fully_shard([m1, m2]): the modules sharing this group, and how many finished forward.
         self.forward_users = 1
         self.forward_done = 0
@@ -144,6 +165,30 @@ class ParamGroup:
         self.divide_factor: float | None = None
         self.force_sum = False
         self.reduce_unused = False
+
+    def base_comms(self) -> list[ProcessGroupComm]:
+        """The shared process-group communicators this group's collectives run on."""
+        out = []
+        for c in (self.comm, self.replicate_comm, self.sub_comm):
+            base = c.base if isinstance(c, ScopedComm) else c
+            if isinstance(base, ProcessGroupComm):
+                out.append(base)
+        return out
+
+    def _set_layout(self, layout: GroupLayout) -> None:
+        self.layout = layout
+        hsdp = self.replicate_comm is not None
+        self._placements = [
+            ((Replicate(), Shard(d)) if hsdp else (Shard(d),)) for d in layout.shard_dims
+        ]
+        self._specs = [
+            DTensorSpec(
+                self.mesh,
+                pl,
+                tensor_meta=TensorMeta(torch.Size(s.shape), _contiguous_stride(s.shape), s.dtype),
+            )
+            for s, pl in zip(layout.specs, self._placements)
+        ]
 
     # ------------------------------------------------------------------ registration
 
@@ -173,6 +218,11 @@ class ParamGroup:
             p._local_tensor if isinstance(p, DTensor) else p for p in params
         ]
         device = locals_[0].device if locals_ else self.device
+        dtypes = [loc.dtype for loc in locals_]
+        if any(d != s.dtype for d, s in zip(dtypes, self.layout.specs)):
+            # module.to(dtype) (or another _apply cast) changed the parameters' dtype: train in it.
+            specs = [attrs.evolve(s, dtype=d) for s, d in zip(self.layout.specs, dtypes)]
+            self._set_layout(layout_for(specs, self.layout.world_size, self.mp_policy))
         flat = torch.zeros(
             self.layout.storage.total, dtype=self.layout.storage_dtype, device=device
         )
@@ -191,6 +241,7 @@ class ParamGroup:
                 p._local_tensor = state.local(i)  # type: ignore[attr-defined]
             new_params.append(p)
         self.params = new_params
+        self._grad_accumulator = None
         self.register_sharded()
         self.free()
         self.buffer = None
@@ -198,11 +249,46 @@ class ParamGroup:
 
     # ------------------------------------------------------------------ unshard / reshard
 
+    def sharded_version(self) -> int:
+        """A counter that grows with every in-place write to the sharded parameters.
+
+        Three version counters are summed, because ``DTensor`` runs its ops below autograd's
+        in-place tracking: writes through the ``DTensor`` parameters (an optimizer step,
+        ``load_state_dict``, ``p.copy_``) bump only the parameter's counter, writes to a local
+        shard (``p.to_local().copy_``) only the local tensor's, and writes to the packed buffer
+        (``summon_full_params``) only the buffer's. Writes through ``.data`` are not seen (as
+        autograd does not see them).
+        """
+        try:
+            v = self.state.flat._version
+            for p in self.params:
+                v += p._version + p._local_tensor._version  # type: ignore[attr-defined]
+        except RuntimeError:  # inference tensors have no version counter
+            return -1
+        return v
+
+    def is_stale(self, version: int) -> bool:
+        """Whether data gathered at :meth:`sharded_version` ``version`` is out of date now."""
+        return version != self.sharded_version()
+
+    def drop_stale(self) -> None:
+        """Forget unsharded data (buffer, gather in flight, post-forward rows) that was
+        gathered before the latest write to the sharded parameters."""
+        if self.post_forward is not None and self.is_stale(self._post_forward_version):
+            self.post_forward = None
+        if self.pending is not None and self.is_stale(self._pending_version):
+            self.discard_pending()
+        if self.is_unsharded and self.is_stale(self._unsharded_version):
+            self.free()
+
     def start_unshard(self) -> None:
         """Issue the all-gather (async) unless unsharded or already in flight."""
+        self.drop_stale()
         if self.is_unsharded or self.pending is not None:
             return
+        self._pending_version = self.sharded_version()
         if self.post_forward is not None and self.sub_comm is not None:
+            self._pending_version = self._post_forward_version
             self.pending = T.begin_unshard(self.post_forward, self.sub_comm, async_op=True)
             return
         into = None
@@ -225,6 +311,7 @@ class ParamGroup:
 
     def wait_unshard(self) -> None:
         """Finish the all-gather into the persistent buffer (issuing it first if needed)."""
+        self.drop_stale()
         if self.is_unsharded:
             return
         self.start_unshard()
@@ -239,6 +326,7 @@ class ParamGroup:
             if self._keeps_gather_output():
                 self.gather_output = pending.output
         self.post_forward = None
+        self._unsharded_version = self._pending_version
         self.is_unsharded = True
 
     def _alloc_buffer(self) -> torch.Tensor:
@@ -281,7 +369,37 @@ class ParamGroup:
             self.post_forward = T.post_forward_from_gather(
                 self.layout, self.comm.rank, int(size), self.gather_output, self.state
             )
+            self._post_forward_version = self._unsharded_version
         self.free()
+
+    def reshard(self) -> None:
+        """Drop every unsharded copy and register the sharded parameters (FSDP2's reshard)."""
+        self.discard_pending()
+        self.free()
+        self.post_forward = None
+        self.full_outputs = None
+        self.register_sharded()
+
+    def owns_full(self, i: int, t: Any) -> bool:
+        """Whether ``t`` is this group's own unsharded parameter ``i`` (a view or autograd output)."""
+        if not self.is_unsharded:
+            return False
+        return (bool(self.views) and t is self.views[i]) or (
+            self.full_outputs is not None and t is self.full_outputs[i]
+        )
+
+    def abandon_in_flight(self) -> None:
+        """``reset_iter_state``: drop the collectives a failed step left in flight without
+        waiting (a peer may never complete them). Their buffers, the unsharded one included,
+        stay referenced here so a late message never lands in freed or reused memory; the group
+        gathers into a fresh buffer from now on."""
+        in_flight = [w for w in (self.pending, self.pending_reduce) if w is not None]
+        if in_flight:
+            self._abandoned.append((in_flight, self.buffer))
+            self.buffer, self.views = None, ()
+        self.pending = self.pending_reduce = None
+        self.is_unsharded = False
+        self.gather_output = None
 
     def discard_pending(self) -> None:
         """Drop an all-gather that was prefetched but not used (it may now be stale)."""
@@ -294,7 +412,7 @@ class ParamGroup:
     def unsharded_outputs(self) -> tuple[torch.Tensor, ...]:
         """Autograd-tracked full tensors for this forward (the backward reduces gradients)."""
         if torch.is_grad_enabled() and any(self.requires_grad):
-            out = _UnshardFn.apply(self, *self.params)
+            out = UnshardFn.apply(self, *self.params)
             return tuple(out)
         return tuple(v.view_as(v) for v in self.views)
 
@@ -349,6 +467,34 @@ class ParamGroup:
             alloc=self._alloc_advised,
         )
 
+    def gradients_captured(self) -> bool:
+        """Whether the running backward is ``torch.autograd.grad`` (which returns gradients to
+        the caller) rather than ``.backward()`` (which accumulates them into ``.grad``)."""
+        if self._grad_accumulator is None:
+            trains = next((p for p in self.params if p.requires_grad), None)
+            if trains is None:
+                return False
+            with torch.enable_grad():  # backward runs without grad mode: record the view
+                view: Any = trains.view_as(trains)
+                self._grad_accumulator = view.grad_fn.next_functions[0][0]
+        try:
+            torch._C._will_engine_execute_node(self._grad_accumulator)
+        except RuntimeError:  # raised for a leaf's node exactly while autograd.grad() runs
+            return True
+        return False
+
+    def reduce_for_autograd(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+        """Reduce synchronously and return the sharded ``DTensor`` gradients to autograd (with
+        ``create_graph=True`` the reduction is differentiable and the full parameters stay)."""
+        self.ran_post_backward = True
+        self.training_state = TrainingState.POST_BACKWARD
+        out = reduce_differentiably(GatherCall.for_group(self), grads)
+        self.keep_for_double_backward = torch.is_grad_enabled()
+        if self.reshard_after_backward and not self.keep_for_double_backward:
+            self.free()
+            self.register_sharded()
+        return out
+
     def _alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype, device=device)
         self._advise(t)
@@ -373,22 +519,3 @@ class ParamGroup:
                 p.grad = self._dtensor(g, i)
             else:
                 p.grad._local_tensor.add_(g)  # type: ignore[attr-defined]
-
-
-class _UnshardFn(torch.autograd.Function):
-    """Forward: the group's full parameters. Backward: reduce-scatter their gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, group: ParamGroup, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        ctx.group = group
-        ctx.set_materialize_grads(False)
-        outs = tuple(v.view_as(v) for v in group.views)
-        frozen = [o for o, rg in zip(outs, group.requires_grad) if not rg]
-        if frozen:
-            ctx.mark_non_differentiable(*frozen)
-        return outs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[None, ...]:  # type: ignore[override]
-        ctx.group.post_backward(grads)
-        return (None,) * (1 + len(grads))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -10,12 +12,13 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
-from ..errors import StateError
+from ..errors import PolicyError, StateError
 from ..records import MixedPrecisionPolicy
 from . import functional_path
+from .comm import resync
 from .group import ParamGroup, TrainingState
 
-__all__ = ["FSDPState"]
+__all__ = ["FSDPState", "hooks_for", "register_fsdp_forward_method"]
 
 
 def _in_backward() -> bool:
@@ -74,8 +77,16 @@ class FSDPState:
             if s.root is not None:
                 raise StateError(
                     f"FSDP module {s.name!r} ran forward before its ancestor {self.name!r} and became a "
-                    f"root itself; run the root module {self.name!r} first (call model(x), not a "
-                    "submodule), or build the model again and apply fully_shard afresh"
+                    f"root itself; try running forward through the root module first (call "
+                    f"model(x) on {self.name!r}, not a submodule), or build the model again and "
+                    "apply fully_shard afresh"
+                )
+        for s in states:
+            if s.group is not None and s.group.state.flat.is_meta:
+                raise StateError(
+                    f"the parameters of {s.name!r} are on the meta device: FSDP parameters must be "
+                    "materialized from meta device before the first forward; call "
+                    "model.to_empty(device=...) and initialise them, or load a state dict"
                 )
         seen: dict[int, str] = {}
         seen_groups: set[int] = set()
@@ -179,8 +190,11 @@ class FSDPState:
         if g is not None and not functional:
             g.forward_done += 1
         if g is not None and not functional and g.forward_done >= g.forward_users:
-            g.register_sharded()
             g.reshard_after_forward_now(g.reshard_after_forward)
+            if not g.is_unsharded:
+                # Resharded: the sharded DTensors go back on the modules. A group left
+                # unsharded keeps its full parameters registered (FSDP2's contract).
+                g.register_sharded()
             g.training_state = TrainingState.IDLE
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
@@ -242,7 +256,11 @@ class FSDPState:
                 continue
             g.finish_reduce()
             g.discard_pending()
-            if g.reshard_after_backward or not g.ran_post_backward:
+            keep = g.keep_for_double_backward
+            g.keep_for_double_backward = False
+            if (g.reshard_after_backward or not g.ran_post_backward) and not keep:
+                # (A create_graph backward keeps the full parameters: the double backward's
+                # graph reads them. The next forward reuses them, or a reshard frees them.)
                 g.free()
             g.register_sharded()
             g.full_outputs = None
@@ -257,10 +275,8 @@ class FSDPState:
             g = s.group
             if g is None:
                 continue
-            g.discard_pending()
-            if g.pending_reduce is not None:
-                g.pending_reduce.work.wait()  # its buffers are in use by the transfer
-                g.pending_reduce = None
+            g.abandon_in_flight()
+            g.accumulated = None  # unsharded gradients of the failed iteration (no-sync)
             g.ran_post_backward = False
             g.forward_done = 0
             g.free()
@@ -273,6 +289,14 @@ class FSDPState:
         if self.root is not None:
             self.root.callback_queued = False
             self.root.in_forward = False
+        # Collectives the failed step left behind must never pair with the next step's: every
+        # rank agrees on a fresh epoch of tags (peers still waiting are told to give up).
+        bases: list[Any] = []
+        for s in states:
+            for b in s.group.base_comms() if s.group is not None else ():
+                if all(b is not c for c in bases):
+                    bases.append(b)
+        resync(bases)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -282,6 +306,29 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
         return t
 
     return pytree.tree_map(cast, tree)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run FSDP's pre/post-forward around ``module.method_name`` (e.g. ``generate``)."""
+    state = getattr(module, "_ffsdp_state", None)
+    if state is None:
+        raise StateError(
+            f"{type(module).__name__} is not an FSDP module; call fully_shard on it first"
+        )
+    if not callable(getattr(type(module), method_name, None)):
+        raise PolicyError(
+            f"{type(module).__name__} does not have a method {method_name!r} to register as an "
+            "FSDP forward method; pass the name of a method defined on its class"
+        )
+    orig = getattr(type(module), method_name)
+
+    @functools.wraps(orig)
+    def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = state.pre_forward(self, args, kwargs)
+        out = orig(self, *args, **kwargs)
+        return state.post_forward(self, args, out)
+
+    object.__setattr__(module, method_name, types.MethodType(wrapped, module))
 
 
 def hooks_for(state: FSDPState) -> tuple[Callable, Callable]:

@@ -1,0 +1,183 @@
+"""The autograd Functions of the shell: where gathers and reductions meet autograd.
+
+- :class:`UnshardFn` (the module path): forward returns a group's full parameters (views of
+  its persistent buffer); backward reduces their gradients into ``.grad`` (overlapped with the
+  rest of backward), or, while ``torch.autograd.grad`` runs, returns them to autograd.
+- :class:`GatherFn` (the functional path, ``functional_call`` / ``torch.func``): forward
+  all-gathers the tensors the caller registered; backward returns their reduced gradients.
+- :class:`ReduceFn` and :class:`GatherGradFn`: the reduce-scatter of gradients and its adjoint,
+  an all-gather. The reduction is linear, so recording it (``create_graph=True``) makes double
+  backward and Hessian-vector products work; FSDP2 cannot do them.
+
+Semantics of the second order: ``GatherFn``'s backward is the group's reduction (the mean over
+data-parallel ranks, or the configured divide factor), ``ReduceFn``'s backward a plain
+all-gather, so ``autograd.grad(autograd.grad(loss, p, create_graph=True), p, v)`` is the
+Hessian-vector product of the data-parallel mean loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .. import transitions as T
+from ..records import ShardedState
+
+__all__ = [
+    "FORWARD_AD_MESSAGE",
+    "PER_EXAMPLE_MESSAGE",
+    "GatherFn",
+    "GatherGradFn",
+    "ReduceFn",
+    "UnshardFn",
+    "reduce_differentiably",
+]
+
+
+class UnshardFn(torch.autograd.Function):
+    """Forward: the group's full parameters. Backward: reduce-scatter their gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, group: Any, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.group = group
+        ctx.set_materialize_grads(False)
+        outs = tuple(v.view_as(v) for v in group.views)
+        frozen = [o for o, rg in zip(outs, group.requires_grad) if not rg]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        group: Any = ctx.group
+        if group.gradients_captured():
+            # torch.autograd.grad(loss, params[, create_graph=True]): return the reduced
+            # gradients to autograd instead of accumulating them into .grad.
+            return (None, *group.reduce_for_autograd(grads))
+        group.post_backward(grads)
+        return (None,) * (1 + len(grads))
+
+
+class GatherFn(torch.autograd.Function):
+    """Forward: all-gather the sources. Backward: reduce-scatter (through :class:`ReduceFn`).
+
+    Written in the ``setup_context`` style so ``torch.func`` transforms can run it.
+    """
+
+    @staticmethod
+    def forward(call: Any, *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return call.gather(sources)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        call = inputs[0]
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        frozen = [o for o, rg in zip(output, call.group.requires_grad) if not rg]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        # Under torch.func the grads arrive wrapped at the transform's level: a second Function
+        # unwraps them, runs the collective on plain tensors and wraps the sharded results.
+        return (None, *reduce_differentiably(ctx.call, grads))
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise NotImplementedError(FORWARD_AD_MESSAGE)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, call: Any, *sources: torch.Tensor) -> Any:
+        raise NotImplementedError(
+            "vmap over the parameters of a sharded module (e.g. model ensembling) is not "
+            "supported: each parameter is one DTensor shard per rank. vmap over the inputs works "
+            "(pass the parameters unbatched, in_dims=None)"
+        )
+
+
+class ReduceFn(torch.autograd.Function):
+    """Forward: reduce-scatter full gradients into sharded ``DTensor`` gradients."""
+
+    @staticmethod
+    def forward(call: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        return call.reduce(grads)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.call = inputs[0]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        # Double backward: the reduce-scatter is linear; its adjoint is an all-gather.
+        if torch._C._are_functorch_transforms_active():
+            raise NotImplementedError(
+                "higher-order derivatives through torch.func transforms (grad(grad(...)), "
+                "hessian) of a sharded module are not supported; double backward works with "
+                "torch.autograd: torch.autograd.grad(loss, params, create_graph=True), then "
+                "torch.autograd.grad(grads, params, grad_outputs=v) for a Hessian-vector product"
+            )
+        return (None, *GatherGradFn.apply(ctx.call, *cotangents))
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple, call: Any, *grads: Any) -> Any:
+        raise NotImplementedError(PER_EXAMPLE_MESSAGE)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise NotImplementedError(FORWARD_AD_MESSAGE)
+
+
+class GatherGradFn(torch.autograd.Function):
+    """Forward: all-gather sharded cotangents of the reduced gradients into full tensors (the
+    adjoint of the reduction). Backward: the reduction again (third order and up)."""
+
+    @staticmethod
+    def forward(call: Any, *cotangents: Any) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        g = call.group
+        lay = g.layout
+        flat = torch.zeros(lay.storage.total, dtype=lay.storage_dtype, device=g.device)
+        state = ShardedState(lay, g.state.rank, flat)
+        for i, c in enumerate(cotangents):
+            if c is not None:
+                local = c._local_tensor if isinstance(c, DTensor) else c
+                state.local(i).copy_(local.detach())
+        return T.unshard(state, g.comm).params
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.call = inputs[0]
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        return (None, *reduce_differentiably(ctx.call, grads))
+
+
+def reduce_differentiably(call: Any, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+    """Reduce-scatter full gradients into sharded ``DTensor`` gradients through autograd: when
+    the backward runs with ``create_graph=True`` the reduction is recorded (its derivative is an
+    all-gather) and the full parameters are kept for the double backward."""
+    call.create_graph = torch.is_grad_enabled()
+    return ReduceFn.apply(call, *grads)
+
+
+PER_EXAMPLE_MESSAGE = (
+    "batched gradients through a sharded module (vmap(grad(...)) per-example gradients, jacrev "
+    "over parameters) are not supported. Note what grad through a sharded module computes: the "
+    "gradient of the loss averaged over the data-parallel ranks (each rank's call contributes "
+    "its own inputs, and the reduce-scatter averages them), so a per-example grad on one rank "
+    "is NOT that example's gradient. For per-example gradients use an unsharded copy of the "
+    "model (functional_fsdp.summon_full_params, or a full state dict) with torch.func there"
+)
+
+FORWARD_AD_MESSAGE = (
+    "forward-mode AD (torch.func.jvp, jacfwd, hessian, jvp(grad(...))) through the parameters of "
+    "a sharded module is not supported: DTensor parameters have no forward-AD rules in torch "
+    "2.13. For Hessian-vector products use reverse over reverse: "
+    "torch.autograd.grad(torch.autograd.grad(loss, params, create_graph=True), params, v)"
+)

@@ -1,0 +1,252 @@
+"""``FSDPModule``: the class of every module passed to ``fully_shard``, and its methods.
+
+It subclasses torch's own ``torch.distributed.fsdp.FSDPModule``, so code written for FSDP2
+(``isinstance(m, torch.distributed.fsdp.FSDPModule)``, pipelining schedules, trainers that look
+for sharded submodules) recognises our modules. Every public method of torch's class is
+overridden here: none of torch's FSDP2 internals is ever reached through one of ours. Methods
+of FSDP2 that we do not implement yet raise ``NotImplementedError`` naming the method.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+
+from ..errors import PolicyError, StateError
+from ._copy import deepcopy_fsdp_module
+from .group import ParamGroup
+from .state import FSDPState, register_fsdp_forward_method
+
+__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "swap_class"]
+
+
+def swap_class(module: nn.Module) -> None:
+    """Make ``module``'s class ``FSDP<Class>``, a subclass of :class:`FSDPModule` and its class."""
+    cls = module.__class__
+    if isinstance(module, FSDPModule):
+        return
+    new_cls: type = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    module.__class__ = new_cls
+
+
+class UnshardHandle:
+    """Handle of :meth:`FSDPModule.unshard` with ``async_op=True``; ``wait()`` finishes it."""
+
+    def __init__(self, groups: list[ParamGroup]) -> None:
+        self._groups = groups
+
+    def wait(self) -> None:
+        """Block until the all-gathers are done and the full parameters are on the modules."""
+        for g in self._groups:
+            g.wait_unshard()
+            g.register_full(g.views)
+        self._groups = []
+
+
+def _states(module: nn.Module, recurse: bool) -> list[FSDPState]:
+    if not recurse:
+        return [module._ffsdp_state]  # type: ignore[list-item]
+    return [s for m in module.modules() if (s := getattr(m, "_ffsdp_state", None)) is not None]
+
+
+def _groups(module: nn.Module, recurse: bool) -> list[ParamGroup]:
+    return [s.group for s in _states(module, recurse) if s.group is not None]
+
+
+def _not_yet(name: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"FSDPModule.{name} is not supported by functional_fsdp yet (see docs/fsdp2_mapping.md); "
+        "use torch.distributed.fsdp.fully_shard for this feature"
+    )
+
+
+class FSDPModule(TorchFSDPModule):
+    """Mixin of every module passed to :func:`fully_shard`; FSDP2's ``FSDPModule`` methods.
+
+    A subclass of ``torch.distributed.fsdp.FSDPModule``: ``isinstance`` checks written for
+    FSDP2 hold for our modules too.
+    """
+
+    # FSDP<Orig> -> [FSDP<Orig>, FSDPModule (ours), FSDPModule (torch's), Orig, ...]
+    _orig_cls_mro_index = 3
+    _ffsdp_state: FSDPState
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # Indexing a container (nn.Sequential[1:]) builds a new instance: give the original class.
+        orig: Any = next(c for c in cls.__mro__ if not issubclass(c, TorchFSDPModule))
+        self = orig.__new__(orig)
+        self.__init__(*args, **kwargs)
+        return self
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:  # type: ignore[override]
+        """All-gather this module's parameters (they stay unsharded until resharded)."""
+        groups = _groups(self, recurse=False)  # type: ignore[arg-type]
+        for gr in groups:
+            gr.start_unshard()
+        handle = UnshardHandle(groups)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones."""
+        for g in _groups(self, recurse=False):  # type: ignore[arg-type]
+            g.reshard()
+
+    def __deepcopy__(self, memo: dict[Any, Any]) -> Any:
+        """An independent sharded copy: own sharded buffers, parameters, groups and hooks."""
+        return deepcopy_fsdp_module(self, memo)  # type: ignore[arg-type]
+
+    def reset_iter_state(self) -> None:
+        """Reset training state after an exception mid-iteration (nothing is corrupted)."""
+        self._ffsdp_state.reset()
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Whether the next backward is the last of the iteration (root only).
+
+        As in FSDP2, it only matters with gradient accumulation: it is recorded on the root and
+        read by nothing else here, since our final callback always finishes the reductions the
+        backward issued.
+        """
+        self._ffsdp_state.is_last_backward = is_last_backward
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce gradients in backward (``True``) or accumulate them unsharded (``False``)."""
+        for g in _groups(self, recurse):  # type: ignore[arg-type]
+            g.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: all-reduce across replicas now (``True``) or keep a partial sum (``False``)."""
+        for g in _groups(self, recurse):  # type: ignore[arg-type]
+            g.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        """Change ``reshard_after_forward`` (bool only, as in FSDP2)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise PolicyError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward).__name__}"
+            )
+        for s in _states(self, recurse):  # type: ignore[arg-type]
+            s.user_reshard_after_forward = reshard_after_forward
+            if s.group is not None:
+                s.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Free the unsharded parameters after backward (default ``True``)."""
+        for g in _groups(self, recurse):  # type: ignore[arg-type]
+            g.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:  # type: ignore[override]
+        """Explicit forward prefetch: all-gather these modules when this one's forward starts."""
+        _check_fsdp_modules(modules)
+        self._ffsdp_state.explicit_forward_prefetch = [m._ffsdp_state for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:  # type: ignore[override]
+        """Explicit backward prefetch: all-gather these modules when this one's backward starts."""
+        _check_fsdp_modules(modules)
+        self._ffsdp_state.explicit_backward_prefetch = [m._ffsdp_state for m in modules]
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide gradients by ``factor`` instead of the data-parallel size.
+
+        Raises:
+            PolicyError: ``factor`` is not a positive, finite number (checked before any change).
+        """
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+            raise PolicyError(
+                f"set_gradient_divide_factor expects a positive number, got {type(factor).__name__}"
+            )
+        if not (math.isfinite(factor) and factor > 0):
+            raise PolicyError(
+                f"set_gradient_divide_factor({factor!r}): the factor must be a positive, finite "
+                "number (gradients are divided by it); use the data-parallel size for averaging"
+            )
+        for g in _groups(self, True):  # type: ignore[arg-type]
+            g.divide_factor = factor
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Use sum reductions with explicit pre/post division (no ``avg`` reductions)."""
+        for g in _groups(self, True):  # type: ignore[arg-type]
+            g.force_sum = enable
+
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Also reduce-scatter (zero) gradients of parameters that got none."""
+        for g in _groups(self, recurse):  # type: ignore[arg-type]
+            g.reduce_unused = reduce_scatter_unused_params
+
+    def set_post_optim_event(self, event: Any) -> None:
+        """Accepted for compatibility; CPU collectives need no cross-stream event."""
+        del event
+
+    # FSDP2 methods not implemented yet: a clear error, never torch's internals.
+
+    def set_custom_all_gather(self, comm: Any) -> None:
+        """Not supported yet (FSDP2's custom all-gather)."""
+        raise _not_yet("set_custom_all_gather")
+
+    def set_custom_reduce_scatter(self, comm: Any) -> None:
+        """Not supported yet (FSDP2's custom reduce-scatter)."""
+        raise _not_yet("set_custom_reduce_scatter")
+
+    def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
+        """Not supported yet (FSDP2's HSDP all-reduce hook)."""
+        raise _not_yet("set_all_reduce_hook")
+
+    def set_reduce_scatter_max_input_buffers(self, *args: Any, **kwargs: Any) -> None:
+        """Not supported (a CUDA memory knob of FSDP2)."""
+        raise _not_yet("set_reduce_scatter_max_input_buffers")
+
+    def set_separate_reduce_scatter_group(self, *args: Any, **kwargs: Any) -> None:
+        """Not supported (a CUDA process-group knob of FSDP2)."""
+        raise _not_yet("set_separate_reduce_scatter_group")
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Not supported yet (FSDP2's skip of the backward all-gather)."""
+        raise _not_yet("set_unshard_in_backward")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Not supported (a CUDA memory knob of FSDP2)."""
+        raise _not_yet("set_allocate_memory_from_process_group_for_comm")
+
+    def set_symm_mem_for_comm(self, *args: Any, **kwargs: Any) -> None:
+        """Not supported (NCCL symmetric memory)."""
+        raise _not_yet("set_symm_mem_for_comm")
+
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        raise _not_yet("_set_unshard_async_op")
+
+    def _get_fsdp_state(self) -> Any:
+        raise _not_yet("_get_fsdp_state (torch's private FSDP2 state)")
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        self.reshard()
+        ret = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
+        g = self._ffsdp_state.group
+        if g is not None:
+            g.refresh_from_modules()
+        return ret
+
+
+def _check_fsdp_modules(modules: Iterable[Any]) -> None:
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise StateError(
+                f"Expects FSDPModule (a module passed to fully_shard), got {type(m).__name__}; "
+                "fully_shard it first"
+            )
