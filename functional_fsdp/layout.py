@@ -71,12 +71,12 @@ def check_shard_dim(
     _check_world(world_size)
     if len(shape) == 0:
         raise ScalarParameterError(
-            f"{name} is a 0-d (scalar) tensor and cannot be sharded; keep it out of FSDP with "
+            f"{name} is a 0-d (scalar) tensor: fully_shard doesn't support scalar parameters; keep it out of FSDP with "
             "ignored_params, or make it a 1-element tensor"
         )
     if not -len(shape) <= shard_dim < len(shape):
         raise IndivisibleError(
-            f"{name}: shard dim {shard_dim} is out of range for shape {tuple(shape)}",
+            f"{name}: Shard({shard_dim}) is invalid for shape {tuple(shape)} (dim out of range)",
             dim=shard_dim,
             size=len(shape),
             factor=world_size,
@@ -84,7 +84,7 @@ def check_shard_dim(
     dim = shard_dim % len(shape)
     if dim > 0 and shape[dim] % world_size != 0:
         raise IndivisibleError(
-            f"{name}: Shard({dim}) needs dim {dim} (size {shape[dim]}) to divide evenly by the "
+            f"{name}: Shard({dim}) would need uneven sharding: dim {dim} (size {shape[dim]}) must divide evenly by the "
             f"world size {world_size}; pick Shard(0) or a dim divisible by {world_size}",
             dim=dim,
             size=shape[dim],
@@ -203,7 +203,7 @@ def check_sub_group_size(size: int, world_size: int) -> None:
     """Validate an int ``reshard_after_forward``: it must divide the shard group size."""
     if size < 1 or world_size % size != 0:
         raise IndivisibleError(
-            f"reshard_after_forward={size} must be a positive divisor of the shard group size "
+            f"reshard_after_forward={size} must be a positive divisor (a factor of) the shard group size "
             f"{world_size} (e.g. the ranks per node); use True, False or a divisor",
             dim=None,
             size=world_size,

@@ -368,7 +368,7 @@ def test_bad_input_raises_before_collectives(world2: World) -> None:
     msgs = world2.run(case_errors)
     assert len(msgs[0]) == 7
     assert any("common parent" in m for m in msgs[0])
-    assert any("run the root module" in m for m in msgs[0])
+    assert any("running forward through the root module first" in m for m in msgs[0])
 
 
 def test_exception_mid_forward_then_reset(world2: World) -> None:

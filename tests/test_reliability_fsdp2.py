@@ -220,11 +220,7 @@ ACCEPTED = {
 }
 # Mistakes where ours is not yet drop-in; each needs a change in a shell file owned by another
 # part of issue 13's work (listed in the report). Strict: a fixed row fails until removed here.
-KNOWN_GAPS = {
-    "container_without_forward": "shell/api.py: fully_shard accepts a ModuleList (no forward)",
-    "forward_method_missing": "shell/state.py: AttributeError instead of a named ValueError",
-    "meta_parameters_at_forward": "shell/state.py: unnamed RuntimeError from the all-gather",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 
 def test_errors_are_drop_in_for_fsdp2(world2: World) -> None:
@@ -232,7 +228,8 @@ def test_errors_are_drop_in_for_fsdp2(world2: World) -> None:
     problems = {}
     for name, r in rows.items():
         assert r["torch"] is not None, f"{name}: FSDP2 no longer raises; update MISTAKES"
-        ok = r["ours"] is not None and r["compatible"] and r["named"]
+        # Drop-in: same built-in type, one of our named errors, and FSDP2's key phrase.
+        ok = r["ours"] is not None and r["compatible"] and r["named"] and r["phrase"]
         if name in ACCEPTED:
             if r["ours"] is not None and not (r["compatible"] and r["named"]):
                 problems[name] = r
