@@ -132,3 +132,100 @@ def test_relative_imports_resolve() -> None:
     assert isinstance(node, ast.ImportFrom)
     assert _resolve("records", node) == PACKAGE
     assert "functional_fsdp.layout" in imported_names("from . import layout as L", "records")
+
+
+_PURE_IMPORT = r"""
+import sys, torch
+base = set(sys.modules)
+import functional_fsdp
+import functional_fsdp.layout, functional_fsdp.records, functional_fsdp.transitions
+import functional_fsdp.comm, functional_fsdp.testing
+added = set(sys.modules) - base
+bad = ("torch.distributed", "torch.cuda", "functional_fsdp.shell", "functional_fsdp.functional")
+print(sorted(m for m in added if m.startswith(bad)))
+from functional_fsdp import fully_shard  # the lazy top level still offers the shell
+print("functional_fsdp.shell.api" in sys.modules)
+"""
+
+
+def test_importing_the_core_loads_no_shell_in_a_fresh_process() -> None:
+    """What a user sees: importing the core adds no shell, functional API or torch.distributed
+    module beyond those ``import torch`` itself loads (checked in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _PURE_IMPORT], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    loaded, shell_after = out.stdout.split("\n")[:2]
+    assert loaded == "[]", f"importing the core loaded {loaded}"
+    assert shell_after == "True"
+
+
+def _module_level_imports(path: Path, module: str) -> set[str]:
+    """Package modules ``module`` imports when it is imported (not inside functions, and not
+    under ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                continue
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = _resolve(module, node)
+                found.add(base)
+                found.update(f"{base}.{a.name}" for a in node.names)
+            elif isinstance(node, (ast.If, ast.Try, ast.With)):
+                visit(node.body)
+
+    visit(tree.body)
+    return found
+
+
+def test_no_import_cycles_in_the_package() -> None:
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"]
+        name = ".".join(parts)
+        modules[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        is_pkg = path.name == "__init__.py"
+        ctx = f"{name}.__init__" if is_pkg and name else (name or "__init__")
+        deps = set()
+        for imp in _module_level_imports(path, ctx):
+            if not imp.startswith(PACKAGE):
+                continue
+            rest = imp[len(PACKAGE) + 1 :]
+            while rest and rest not in modules:
+                rest = rest.rpartition(".")[0]
+            if rest in modules and rest != name:
+                deps.add(rest)
+        graph[name] = deps
+    # A package importing its own submodules is how packages work; a submodule that imports
+    # its package's __init__ (which imports it) is not a cycle Python trips on either.
+    for name in graph:
+        graph[name] = {d for d in graph[name] if not name.startswith(d + ".") and d != ""}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def dfs(n: str) -> None:
+        state[n] = 1
+        stack.append(n)
+        for d in sorted(graph.get(n, ())):
+            if state.get(d) == 1:
+                cycle = stack[stack.index(d) :] + [d]
+                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
+            if d not in state:
+                dfs(d)
+        stack.pop()
+        state[n] = 2
+
+    for n in sorted(graph):
+        if n not in state:
+            dfs(n)
