@@ -171,9 +171,14 @@ def _run_sequence(ops: list[str], root_raf: Any, block_raf: Any) -> list[tuple[f
     return out
 
 
-@settings(max_examples=12, deadline=None)
+# No-grad forwards (which leave the root unsharded) are drawn half the time: the stale cases
+# need one before a write.
+_op = st.one_of(st.just("fwd_nograd"), st.sampled_from(_OPS))
+
+
+@settings(max_examples=25, deadline=None)
 @given(
-    ops=st.lists(st.sampled_from(_OPS), min_size=1, max_size=6),
+    ops=st.lists(_op, min_size=1, max_size=6),
     root_raf=st.sampled_from([None, True, False]),
     block_raf=st.sampled_from([None, False]),
 )
