@@ -16,6 +16,7 @@ from ..errors import MeshError, PolicyError, TiedParameterError
 from ..layout import check_sub_group_size
 from ..records import MixedPrecisionPolicy, OffloadPolicy, ParamSpec
 from ..transitions import shard_tensors
+from .autograd import explain_forward_ad_on_dtensor
 from .checkpoint import readopt_after_load
 from .comm import ProcessGroupComm
 from .group import ParamGroup, TrainingState, layout_for
@@ -82,6 +83,7 @@ def fully_shard(
                 "fully_shard on each child (for block in model.layers: fully_shard(block)) and on "
                 "the module whose forward runs them"
             )
+    explain_forward_ad_on_dtensor()
     mp = MixedPrecisionPolicy.coerce(mp_policy)
     offload = OffloadPolicy.coerce(offload_policy)
     mesh = _resolve_mesh(mesh, modules)

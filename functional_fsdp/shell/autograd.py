@@ -33,6 +33,7 @@ __all__ = [
     "GatherGradFn",
     "ReduceFn",
     "UnshardFn",
+    "explain_forward_ad_on_dtensor",
     "reduce_differentiably",
 ]
 
@@ -176,8 +177,26 @@ PER_EXAMPLE_MESSAGE = (
 )
 
 FORWARD_AD_MESSAGE = (
-    "forward-mode AD (torch.func.jvp, jacfwd, hessian, jvp(grad(...))) through the parameters of "
-    "a sharded module is not supported: DTensor parameters have no forward-AD rules in torch "
-    "2.13. For Hessian-vector products use reverse over reverse: "
+    "forward-mode AD (torch.func.jvp, jacfwd, hessian, jvp(grad(...))) over DTensor primals, "
+    "such as the parameters of a module sharded with fully_shard, is not supported: DTensor has "
+    "no forward-AD rules in torch 2.13 (it cannot make a dual DTensor). For Hessian-vector "
+    "products use reverse over reverse: "
     "torch.autograd.grad(torch.autograd.grad(loss, params, create_graph=True), params, v)"
 )
+
+
+def _refuse_dual_dtensor(op_call: Any, args: Any, kwargs: Any) -> Any:
+    raise NotImplementedError(FORWARD_AD_MESSAGE)
+
+
+def explain_forward_ad_on_dtensor() -> None:
+    """Make DTensor refuse forward-mode AD with :data:`FORWARD_AD_MESSAGE`.
+
+    ``torch.func.jvp`` over ``DTensor`` primals fails inside ``make_dual`` (DTensor has no rule
+    for ``aten._has_same_storage_numel``), before any FSDP code runs, with a bare "no sharding
+    strategy" message. This registers a handler for that one op in DTensor's dispatcher, which
+    raises the same ``NotImplementedError`` with a message that says what is unsupported and
+    what to use instead. The only change we make to torch's state; idempotent.
+    """
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers.setdefault(torch.ops.aten._has_same_storage_numel.default, _refuse_dual_dtensor)
