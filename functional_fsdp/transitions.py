@@ -427,9 +427,20 @@ def writeback(unsharded: UnshardedState, sharded: ShardedState | None = None) ->
 
 
 def _grad_list(grads: Any, layout: GroupLayout) -> list[torch.Tensor | None]:
+    spec = layout.treespec
     if isinstance(grads, (list, tuple)) and all(
         g is None or isinstance(g, torch.Tensor) for g in grads
     ):
+        if spec is not None and spec.kind in (
+            optree.PyTreeKind.DICT,
+            optree.PyTreeKind.ORDEREDDICT,
+        ):
+            raise LayoutMismatchError(
+                f"reduce_grad: the state was sharded from a dict with keys {spec.entries()}; pass "
+                "the gradients as a dict with the same keys. A list is refused: the layout's order "
+                "is the sorted keys, not the dict's insertion order, so a list would silently pair "
+                "gradients with the wrong parameters"
+            )
         return list(grads)
     if layout.treespec is not None:
         try:

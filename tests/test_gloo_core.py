@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import optree
 import pytest
 import torch
 from _dist import World
@@ -83,12 +84,22 @@ def _shard_unshard(comm: Communicator, trees: list[tuple[Any, dict[str, Any]]]) 
     return out
 
 
+def _as_tree(grads: Any, state: Any) -> Any:
+    """Layout-order gradients in the structure the state was sharded from (reduce_grad refuses
+    a flat list for a dict tree: the pairing would depend on key order)."""
+    spec = state.layout.treespec
+    if spec is None or not isinstance(grads, list):
+        return grads
+    return optree.tree_unflatten(spec, grads)
+
+
 def _reduce(comm: Communicator, cases: list[tuple[Any, list[Any], dict, dict]]) -> list[Any]:
     out = []
     for tree, grads, shard_kw, reduce_kw in cases:
         s = shard(tree, world_size=comm.world_size, rank=comm.rank, **shard_kw)
-        once = reduce_grad(grads[comm.rank], s, comm, **reduce_kw)
-        twice = reduce_grad(grads[comm.rank], once, comm, **reduce_kw)  # accumulates
+        g = _as_tree(grads[comm.rank], s)
+        once = reduce_grad(g, s, comm, **reduce_kw)
+        twice = reduce_grad(g, once, comm, **reduce_kw)  # accumulates
         out.append(
             (
                 [once.local_grad(i) for i in range(len(s.layout))],
@@ -107,9 +118,10 @@ def _hsdp(
     rank: int,
 ) -> Any:
     s = shard(tree, world_size=shard_comm.world_size, rank=shard_comm.rank)
-    now = reduce_grad(g1[rank], s, shard_comm, replicate_comm=replicate_comm)
-    held = reduce_grad(g1[rank], s, shard_comm, replicate_comm=replicate_comm, all_reduce=False)
-    later = reduce_grad(g2[rank], held, shard_comm, replicate_comm=replicate_comm)
+    a, b = _as_tree(g1[rank], s), _as_tree(g2[rank], s)
+    now = reduce_grad(a, s, shard_comm, replicate_comm=replicate_comm)
+    held = reduce_grad(a, s, shard_comm, replicate_comm=replicate_comm, all_reduce=False)
+    later = reduce_grad(b, held, shard_comm, replicate_comm=replicate_comm)
     n = len(s.layout)
     return (
         [now.local_grad(i) for i in range(n)],

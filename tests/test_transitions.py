@@ -519,8 +519,11 @@ class TransitionMachine(RuleBasedStateMachine):
     @rule(seed=SEEDS, accumulate=st.booleans())
     def do_reduce_grad(self, seed: int, accumulate: bool) -> None:
         grads = [random_like(self.truth, seed + r) for r in range(self.ws)]
+        spec = self.states[0].layout.treespec
+        # In the structure the state was sharded from (a flat list is refused for dict trees).
+        trees = [g if spec is None else optree.tree_unflatten(spec, g) for g in grads]
         self.states = self.world.run(
-            lambda c, g, s: reduce_grad(g, s, c, accumulate=accumulate), grads, self.states
+            lambda c, g, s: reduce_grad(g, s, c, accumulate=accumulate), trees, self.states
         )
         for i in range(len(self.truth)):
             mean = mean_of(grads, i).float()
@@ -721,9 +724,16 @@ def test_wrong_state_raises_state_error() -> None:
 def test_mismatched_shapes_raise_layout_mismatch() -> None:
     s = shard({"w": torch.randn(5, 3), "b": torch.randn(3)}, world_size=2, rank=0)
     with pytest.raises(LayoutMismatchError, match="'w'"):
-        reduce_grad([torch.ones(3), torch.ones(5, 4)], s, SimulatedWorld(2).comm(0))
-    with pytest.raises(LayoutMismatchError, match="got 1"):
+        reduce_grad({"b": torch.ones(3), "w": torch.ones(5, 4)}, s, SimulatedWorld(2).comm(0))
+    # A flat list for a dict tree is ambiguous (layout order is sorted keys): refused, naming
+    # the keys, even when its shapes would happen to fit.
+    with pytest.raises(LayoutMismatchError, match=r"dict with keys \['b', 'w'\]"):
+        reduce_grad([torch.ones(3), torch.ones(5, 3)], s, SimulatedWorld(2).comm(0))
+    with pytest.raises(LayoutMismatchError, match="dict with keys"):
         reduce_grad([torch.ones(3)], s, SimulatedWorld(2).comm(0))
+    flat = shard([torch.randn(5, 3), torch.randn(3)], world_size=2, rank=0)
+    with pytest.raises(LayoutMismatchError, match="got 1"):
+        reduce_grad([torch.ones(5, 3)], flat, SimulatedWorld(2).comm(0))
     with pytest.raises(LayoutMismatchError, match="missing key"):
         reduce_grad({"w": torch.ones(5, 3)}, s, SimulatedWorld(2).comm(0))
     other = shard({"w": torch.randn(6, 3), "b": torch.randn(3)}, world_size=2, rank=0)
