@@ -7,11 +7,13 @@ as threads of one process).
 
 Reductions are named by strings: ``"sum"`` or ``"avg"``.
 
-A communicator may also offer *pieces* collectives (``supports_pieces = True``):
-``all_gather_pieces(outputs, inputs)`` (``outputs[r][i]`` receives rank ``r``'s ``inputs[i]``) and
-``reduce_scatter_pieces(outputs, inputs, op)`` (``outputs[i]`` receives the reduction over ranks
-of their ``inputs[rank][i]``). The core then gathers straight into the unsharded buffer and sends
-gradient rows without packing them; otherwise it packs and uses the three collectives below. Every collective may run asynchronously
+Every communicator declares ``supports_pieces``. One that sets it also implements
+:class:`PiecesCommunicator`: ``all_gather_pieces(outputs, inputs)`` (``outputs[r][i]`` receives
+rank ``r``'s ``inputs[i]``) and ``reduce_scatter_pieces(outputs, inputs, op)`` (``outputs[i]``
+receives the reduction over ranks of their ``inputs[rank][i]``). The core then gathers straight
+into the unsharded buffer and sends gradient rows without packing them; otherwise it packs and
+uses the three collectives below. (A declared flag, not an ``isinstance`` check against the
+protocol: that costs about 20 microseconds per collective on Python 3.11.) Every collective may run asynchronously
 (``async_op=True`` returns a :class:`Work`); the output is valid only after ``wait()``.
 """
 
@@ -21,7 +23,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Communicator", "DoneWork", "Work"]
+from .errors import MeshError
+
+__all__ = ["Communicator", "DoneWork", "PiecesCommunicator", "Work", "check_comm"]
 
 
 @runtime_checkable
@@ -60,6 +64,11 @@ class Communicator(Protocol):
         """Ranks in the group."""
         ...
 
+    @property
+    def supports_pieces(self) -> bool:
+        """Whether this communicator implements :class:`PiecesCommunicator` (and it pays off)."""
+        ...
+
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
     ) -> Work:
@@ -75,3 +84,43 @@ class Communicator(Protocol):
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Work:
         """Reduce ``tensor`` in place over ranks."""
         ...
+
+
+@runtime_checkable
+class PiecesCommunicator(Communicator, Protocol):
+    """A :class:`Communicator` that also moves lists of tensors ("pieces") in one collective.
+
+    On gloo these are point-to-point messages straight between the parameters' storage and the
+    unsharded buffer, with no packing copy; they move the bytes of the packed collectives.
+    """
+
+    def all_gather_pieces(
+        self,
+        outputs: list[list[torch.Tensor]],
+        inputs: list[torch.Tensor],
+        *,
+        async_op: bool = False,
+    ) -> Work:
+        """``outputs[r][i]`` receives rank ``r``'s ``inputs[i]``."""
+        ...
+
+    def reduce_scatter_pieces(
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[list[torch.Tensor]],
+        *,
+        op: str = "sum",
+        async_op: bool = False,
+    ) -> Work:
+        """``outputs[i]`` receives the reduction (``op``) over ranks of ``inputs[rank][i]``."""
+        ...
+
+
+def check_comm(comm: Communicator, world_size: int, what: str) -> None:
+    """Raise :class:`~functional_fsdp.errors.MeshError` unless ``comm`` spans ``world_size``
+    ranks (checked before any collective)."""
+    if comm.world_size != world_size:
+        raise MeshError(
+            f"{what}: the communicator has {comm.world_size} ranks but the layout was built for "
+            f"{world_size}; pass the shard group the state was sharded over"
+        )

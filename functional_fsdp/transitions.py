@@ -17,14 +17,14 @@ State diagram (per group)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import optree
 import torch
 
 from . import layout as L
-from .comm import Communicator, DoneWork, Work
+from .comm import Communicator, DoneWork, PiecesCommunicator, Work, check_comm
 from .errors import LayoutMismatchError, MeshError, StateError
 from .records import (
     GroupLayout,
@@ -34,6 +34,7 @@ from .records import (
     UnshardedState,
     region,
 )
+from .reduction import PendingReduce, begin_reduce, finish_reduce, pack_grads, reduce_grad
 
 __all__ = [
     "PendingReduce",
@@ -154,7 +155,9 @@ def pack_for_gather(state: ShardedState) -> torch.Tensor:
 
 @attrs.frozen(eq=False)
 class PendingUnshard:
-    """An all-gather in flight; :func:`finish_unshard` turns it into an :class:`UnshardedState`.
+    """A *handle* (not a record: no pytree, never compared) for an all-gather in flight;
+    :func:`finish_unshard` turns it into an :class:`UnshardedState`. Its buffers are owned by
+    the collective until ``work.wait()``.
 
     ``output`` is the padded rank-major all-gather output, or ``None`` when the pieces were
     gathered straight into ``into`` (no copy-out needed). ``into`` is where the full parameters
@@ -171,10 +174,6 @@ class PendingUnshard:
 
 def _uniform_dim0(layout: GroupLayout) -> bool:
     return layout.gather.uniform and all(d == 0 for d in layout.shard_dims)
-
-
-def _supports_pieces(comm: Communicator) -> bool:
-    return bool(getattr(comm, "supports_pieces", False))
 
 
 def begin_unshard(
@@ -196,10 +195,10 @@ def begin_unshard(
     """
     lay = state.layout
     if isinstance(state, ShardedState):
-        _check_comm(comm, lay.world_size, "unshard")
+        check_comm(comm, lay.world_size, "unshard")
         inp, source = pack_for_gather(state), state
     elif isinstance(state, PostForwardState):
-        _check_comm(comm, state.group_size, "unshard of a PostForwardState (its sub-group)")
+        check_comm(comm, state.group_size, "unshard of a PostForwardState (its sub-group)")
         if comm.rank != state.sub_rank:
             raise MeshError(
                 f"unshard: sub-group communicator rank {comm.rank} != state sub-rank {state.sub_rank}"
@@ -215,7 +214,7 @@ def begin_unshard(
         and isinstance(state, ShardedState)
         and lay.world_size > 1
         and _uniform_dim0(lay)
-        and _supports_pieces(comm)
+        and comm.supports_pieces
     ):
         ws, pack = lay.world_size, lay.gather
         sends = [inp.narrow(0, o, n) for o, n in zip(pack.offsets, pack.sizes)]
@@ -223,7 +222,8 @@ def begin_unshard(
             into.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)
         ]
         recvs = [[reg[r] for reg in regions] for r in range(ws)]
-        pieces = comm.all_gather_pieces(recvs, sends, async_op=async_op)  # type: ignore[attr-defined]
+        pcomm = cast(PiecesCommunicator, comm)
+        pieces = pcomm.all_gather_pieces(recvs, sends, async_op=async_op)
         return PendingUnshard(lay, state.rank, None, pieces, source, into)
     out = torch.empty(
         lay.world_size * lay.gather.total, dtype=lay.gather_buffer_dtype, device=inp.device
@@ -423,263 +423,7 @@ def writeback(unsharded: UnshardedState, sharded: ShardedState | None = None) ->
     return attrs.evolve(fresh, grads=sharded.grads, partial=sharded.partial)
 
 
-# --------------------------------------------------------------------------------- reduce_grad
-
-
-def _grad_list(grads: Any, layout: GroupLayout) -> list[torch.Tensor | None]:
-    spec = layout.treespec
-    if isinstance(grads, (list, tuple)) and all(
-        g is None or isinstance(g, torch.Tensor) for g in grads
-    ):
-        if spec is not None and spec.kind in (
-            optree.PyTreeKind.DICT,
-            optree.PyTreeKind.ORDEREDDICT,
-        ):
-            raise LayoutMismatchError(
-                f"reduce_grad: the state was sharded from a dict with keys {spec.entries()}; pass "
-                "the gradients as a dict with the same keys. A list is refused: the layout's order "
-                "is the sorted keys, not the dict's insertion order, so a list would silently pair "
-                "gradients with the wrong parameters"
-            )
-        return list(grads)
-    if layout.treespec is not None:
-        try:
-            return list(layout.treespec.flatten_up_to(grads))  # type: ignore[arg-type]
-        except (ValueError, TypeError) as e:
-            raise LayoutMismatchError(
-                f"reduce_grad: gradients do not match the structure the state was sharded from "
-                f"({layout.treespec}): {e}; pass one gradient (or None) per parameter"
-            ) from None
-    raise LayoutMismatchError(
-        f"reduce_grad: expected {len(layout)} gradients in layout order, got {type(grads).__name__}"
-    )
-
-
-def pack_grads(
-    grads: Sequence[torch.Tensor | None], layout: GroupLayout, *, device: torch.device | None = None
-) -> torch.Tensor:
-    """Reduce-scatter input: grads cast to the reduce dtype, padded, packed as ``(ws, S)``.
-
-    Missing gradients pack as zeros.
-    """
-    layout.check_full(grads, what="reduce_grad")
-    dtype = layout.grad_reduce_dtype()
-    ws = layout.world_size
-    present = [g for g in grads if g is not None]
-    dev = device or (present[0].device if present else torch.device("cpu"))
-    numels = [L.prod(s) for s in layout.shard_shapes]
-    total = sum(numels)
-    # torch._chunk_cat rejects empty tensors: zero-size gradients take the general path.
-    fast = bool(present) and len(present) == len(grads) and all(g.numel() > 0 for g in present)
-    if fast and all(d == 0 for d in layout.shard_dims):
-        cast = [g if g.dtype == dtype else g.to(dtype) for g in present]
-        out = torch.empty(ws, total, dtype=dtype, device=dev)
-        torch._chunk_cat(cast, dim=0, num_chunks=ws, out=out)
-        return out.view(-1)
-    out = torch.zeros(ws, total, dtype=dtype, device=dev)
-    off = 0
-    for i, g in enumerate(grads):
-        n = numels[i]
-        if g is not None:
-            dim = layout.shard_dims[i]
-            padded = torch.zeros(layout.padded_full_shape(i), dtype=dtype, device=dev)
-            padded.narrow(dim, 0, g.shape[dim]).copy_(g)
-            chunks = padded.chunk(ws, dim=dim)
-            for r in range(ws):
-                out[r, off : off + n].copy_(chunks[r].reshape(-1))
-        off += n
-    return out.view(-1)
-
-
-@attrs.frozen(eq=False)
-class PendingReduce:
-    """A reduce-scatter in flight; :func:`finish_reduce` turns it into a new sharded state."""
-
-    sharded: ShardedState
-    output: torch.Tensor
-    work: Work
-    factors: L.DivideFactors
-    present: tuple[bool, ...]
-    replicate_comm: Communicator | None
-    all_reduce: bool
-
-
-def begin_reduce(
-    grads: Any,
-    sharded: ShardedState,
-    comm: Communicator,
-    *,
-    replicate_comm: Communicator | None = None,
-    divide_factor: float | None = None,
-    force_sum: bool = False,
-    all_reduce: bool = True,
-    reduce_unused: bool = False,
-    async_op: bool = True,
-    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
-) -> PendingReduce:
-    """Pack gradients, pre-divide and issue the group's one reduce-scatter.
-
-    ``alloc(numel, dtype, device)`` makes the output buffer (the new sharded gradients); the
-    shell injects one that advises the kernel about the fresh memory. Default: ``torch.empty``.
-    """
-    if not isinstance(sharded, ShardedState):
-        raise StateError(f"reduce_grad writes into a ShardedState, got {type(sharded).__name__}")
-    lay = sharded.layout
-    _check_comm(comm, lay.world_size, "reduce_grad")
-    glist = _grad_list(grads, lay)
-    present = tuple(
-        (g is not None) or (reduce_unused and s.requires_grad) for g, s in zip(glist, lay.specs)
-    )
-    rdtype = lay.grad_reduce_dtype()
-    ar_size = replicate_comm.world_size if replicate_comm is not None else 1
-    factors = L.divide_factors(
-        lay.world_size,
-        ar_size,
-        overflow_risk=rdtype not in (torch.float32, torch.bfloat16, torch.float64),
-        factor=divide_factor,
-        force_sum=force_sum,
-    )
-    ws = lay.world_size
-    # Reduce where the gradients are (the compute device), also when the shards are offloaded
-    # to the CPU: the caller moves the reduced shards.
-    device = next((g.device for g in glist if g is not None), sharded.flat.device)
-    # The path depends only on facts every rank shares (never on which gradients this rank
-    # happens to have): ranks on different paths would exchange mismatched messages.
-    if (
-        ws > 1
-        and _supports_pieces(comm)
-        and all(d == 0 for d in lay.shard_dims)
-        and factors.pre in (None, 1)
-        and factors.premul is None
-    ):
-        # Send each rank its rows of each gradient straight from the gradient tensors; receive
-        # this rank's rows into the (padded) output regions. No packed copy of the gradients.
-        # A missing gradient is sent as zeros, as the packed path packs it.
-        numels = [L.prod(sh) for sh in lay.shard_shapes]
-        out = (alloc or _empty)(sum(numels), rdtype, device)
-        sends: list[list[torch.Tensor]] = [[] for _ in range(ws)]
-        outs: list[torch.Tensor] = []
-        off = 0
-        for i, g in enumerate(glist):
-            if g is None:
-                g = torch.zeros(lay.specs[i].shape, dtype=rdtype, device=device)
-            else:
-                g = g.to(device=device, dtype=rdtype).contiguous()
-            row = L.prod(lay.shard_shapes[i][1:])
-            for r in range(ws):
-                start, length = lay.extent(i, r)
-                sends[r].append(g.narrow(0, start, length).reshape(-1))
-            mine = lay.extent(i, comm.rank)[1] * row
-            region_i = out.narrow(0, off, numels[i])
-            if mine < numels[i]:
-                region_i.narrow(0, mine, numels[i] - mine).zero_()
-            outs.append(region_i.narrow(0, 0, mine))
-            off += numels[i]
-        pieces = comm.reduce_scatter_pieces(outs, sends, op=factors.op, async_op=async_op)  # type: ignore[attr-defined]
-        return PendingReduce(sharded, out, pieces, factors, present, replicate_comm, all_reduce)
-    inp = pack_grads(glist, lay, device=device)
-    if factors.pre is not None and factors.pre != 1:
-        inp.div_(factors.pre)
-    if factors.premul is not None:
-        inp.mul_(factors.premul)
-    out = (alloc or _empty)(inp.numel() // lay.world_size, inp.dtype, inp.device)
-    if lay.world_size == 1:
-        out.copy_(inp)
-        work: Work = DoneWork()
-    else:
-        work = comm.reduce_scatter(out, inp, op=factors.op, async_op=async_op)
-    return PendingReduce(sharded, out, work, factors, present, replicate_comm, all_reduce)
-
-
-def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> ShardedState:
-    """Wait; HSDP all-reduce; post-divide; split per parameter; cast; add to existing grads."""
-    pending.work.wait()
-    sharded, out, factors = pending.sharded, pending.output, pending.factors
-    lay = sharded.layout
-    partial = None
-    if pending.replicate_comm is not None:
-        if sharded.partial is not None:
-            out = out + sharded.partial
-        if not pending.all_reduce:
-            return attrs.evolve(sharded, partial=out)
-        if pending.replicate_comm.world_size > 1:
-            pending.replicate_comm.all_reduce(out, op=factors.all_reduce_op).wait()
-    if factors.post is not None and factors.post != 1:
-        out = out / factors.post
-    old = sharded.grads or (None,) * len(lay)
-    new: list[torch.Tensor | None] = []
-    off = 0
-    for i, spec in enumerate(lay.specs):
-        n = L.prod(lay.shard_shapes[i])
-        if not pending.present[i]:
-            new.append(old[i])
-        else:
-            g = out.narrow(0, off, n).view(lay.shard_shapes[i])
-            # Sharded grads live with the shards (the CPU under offload), in the param dtype.
-            g = g.to(device=sharded.flat.device, dtype=spec.dtype)
-            prev = old[i]
-            new.append(g + prev if (accumulate and prev is not None) else g)
-        off += n
-    return attrs.evolve(sharded, grads=tuple(new), partial=partial)
-
-
-def reduce_grad(
-    grads: Any,
-    sharded: ShardedState,
-    comm: Communicator,
-    *,
-    replicate_comm: Communicator | None = None,
-    divide_factor: float | None = None,
-    force_sum: bool = False,
-    all_reduce: bool = True,
-    reduce_unused: bool = False,
-    accumulate: bool = True,
-) -> ShardedState:
-    """Average full gradients over ranks and keep this rank's shard.
-
-    Packs in the reduce dtype, pre-divides, one reduce-scatter over ``comm``, all-reduce over
-    ``replicate_comm`` (HSDP; with ``all_reduce=False`` the result is kept in
-    :attr:`ShardedState.partial` and added before the next all-reduce), post-divides, casts to
-    each parameter's dtype and adds to existing grads (``accumulate``).
-
-    Args:
-        grads: full gradients in layout order (or in the layout's pytree); ``None`` = no grad.
-        sharded: the state to attach gradients to (not mutated).
-        comm: the shard group.
-        replicate_comm: the replicate group for HSDP, or ``None``.
-        divide_factor: custom divide factor (default: the data-parallel size).
-        force_sum: use sum reductions only.
-        all_reduce: for HSDP, whether to all-reduce now.
-        reduce_unused: reduce (zeros for) parameters without a gradient too.
-        accumulate: add to existing sharded grads instead of replacing them.
-    """
-    pending = begin_reduce(
-        grads,
-        sharded,
-        comm,
-        replicate_comm=replicate_comm,
-        divide_factor=divide_factor,
-        force_sum=force_sum,
-        all_reduce=all_reduce,
-        reduce_unused=reduce_unused,
-        async_op=False,
-    )
-    return finish_reduce(pending, accumulate=accumulate)
-
-
 # ------------------------------------------------------------------------------------- helpers
-
-
-def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, device=device)
-
-
-def _check_comm(comm: Communicator, world_size: int, what: str) -> None:
-    if comm.world_size != world_size:
-        raise MeshError(
-            f"{what}: the communicator has {comm.world_size} ranks but the layout was built for "
-            f"{world_size}; pass the shard group the state was sharded over"
-        )
 
 
 def _device(tensors: Sequence[torch.Tensor]) -> torch.device:

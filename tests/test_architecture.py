@@ -14,17 +14,18 @@ import pytest
 
 PACKAGE = "functional_fsdp"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
-CORE = ("_tree", "errors", "layout", "records", "transitions", "comm")
+CORE = ("_tree", "errors", "layout", "records", "reduction", "transitions", "comm")
 FORBIDDEN = ("torch.distributed", "torch.cuda", f"{PACKAGE}.shell")
 
 # Which core modules each core module may import (the dependency direction).
 ALLOWED_INTERNAL = {
     "errors": set(),
     "_tree": set(),
-    "comm": set(),
+    "comm": {"errors"},
     "layout": {"errors"},
     "records": {"errors", "_tree", "layout"},
-    "transitions": {"errors", "_tree", "layout", "records", "comm"},
+    "reduction": {"errors", "_tree", "layout", "records", "comm"},
+    "transitions": {"errors", "_tree", "layout", "records", "reduction", "comm"},
 }
 
 
@@ -229,3 +230,16 @@ def test_no_import_cycles_in_the_package() -> None:
     for n in sorted(graph):
         if n not in state:
             dfs(n)
+
+
+def test_functional_api_uses_only_the_shells_public_package() -> None:
+    """``functional/`` is a layer on top of the shell: it imports ``functional_fsdp.shell``
+    (its public exports), never a shell module's internals."""
+    bad = {}
+    for path in (ROOT / "functional").glob("*.py"):
+        names = imported_names(path.read_text(), f"functional.{path.stem}")
+        reach = sorted(n for n in names if n.startswith(f"{PACKAGE}.shell."))
+        reach = [n for n in reach if n.rpartition(".")[0] != f"{PACKAGE}.shell"]
+        if reach:
+            bad[path.name] = reach
+    assert not bad, f"functional/ reaches into shell internals: {bad}"
