@@ -1,4 +1,8 @@
-"""The imperative shell: the only code that touches torch.distributed, hooks and autograd."""
+"""The imperative shell: the only code that touches torch.distributed, hooks and autograd.
+
+Everything other layers (``functional_fsdp.functional``, the top level) use from the shell is
+exported here; they import this package, never its modules.
+"""
 
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
 from .checkpoint import (
@@ -9,10 +13,12 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .comm import ProcessGroupComm
+from .functional_path import DeferredReductions
 from .summon import summon_full_params
 
 __all__ = [
     "ChecksummingFileSystemWriter",
+    "DeferredReductions",
     "FSDPModule",
     "ProcessGroupComm",
     "SafeFileSystemReader",

@@ -92,7 +92,55 @@ def fully_shard(
     ignored = set(ignored_params or ())
     name = type(modules[0]).__name__
 
-    # Collect managed parameters and every (module, name) that holds each of them.
+    params, holders, fqns = _collect_params(modules, ignored, name)
+    group = None
+    if params:
+        group = _build_group(
+            params, holders, fqns, mesh, raf, shard_placement_fn, mp, offload, name
+        )
+        for p in params:
+            setattr(p, _OWNER_ATTR, name)
+    _attach(modules, group, mp, name, reshard_after_forward, raf)
+    return module
+
+
+def _attach(
+    modules: list[nn.Module],
+    group: ParamGroup | None,
+    mp: MixedPrecisionPolicy,
+    name: str,
+    reshard_after_forward: bool | int | None,
+    raf: bool | int,
+) -> None:
+    """Give each module its FSDP state, forward hooks, state-dict hooks and FSDP class."""
+    state = FSDPState(modules[0], group, mp, name)
+    state.user_reshard_after_forward = reshard_after_forward
+    if group is not None:
+        group.reshard_after_forward = raf
+        group.forward_users = len(modules)
+    for i, m in enumerate(modules):
+        st = state if i == 0 else FSDPState(m, None, mp, type(m).__name__)
+        if i > 0:
+            # A list of modules shares one group: the first owns it, the rest forward through it.
+            st.group = group
+        m._ffsdp_state = st  # type: ignore[assignment]
+        pre, post = hooks_for(st)
+        m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+        m.register_forward_hook(post)
+        m.register_load_state_dict_post_hook(readopt_after_load)  # load_state_dict(assign=True)
+        m.register_state_dict_pre_hook(_to_sharded_hook)
+        m._register_load_state_dict_pre_hook(_to_sharded_hook, with_module=True)
+        swap_class(m)
+
+
+Holders = dict[int, list[tuple[nn.Module, str]]]
+
+
+def _collect_params(
+    modules: list[nn.Module], ignored: set[nn.Parameter], name: str
+) -> tuple[list[nn.Parameter], Holders, dict[int, str]]:
+    """The parameters a new group manages (not already managed below, not ignored), every
+    ``(module, name)`` that holds each, and their names; a parameter of another group raises."""
     managed_below: set[int] = set()
     for m in modules:
         for sub in m.modules():
@@ -100,7 +148,7 @@ def fully_shard(
             if st is not None and st.group is not None:
                 managed_below.update(id(p) for p in st.group.params)
     params: list[nn.Parameter] = []
-    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    holders: Holders = {}
     fqns: dict[int, str] = {}
     for m in modules:
         for mod_name, sub in m.named_modules(remove_duplicate=False):
@@ -120,33 +168,7 @@ def fully_shard(
                     params.append(p)
                     fqns[id(p)] = f"{mod_name}.{pname}" if mod_name else pname
                 holders[id(p)].append((sub, pname))
-
-    group = None
-    if params:
-        group = _build_group(
-            params, holders, fqns, mesh, raf, shard_placement_fn, mp, offload, name
-        )
-        for p in params:
-            setattr(p, _OWNER_ATTR, name)
-    state = FSDPState(modules[0], group, mp, name)
-    state.user_reshard_after_forward = reshard_after_forward
-    if group is not None:
-        group.reshard_after_forward = raf
-        group.forward_users = len(modules)
-    for i, m in enumerate(modules):
-        st = state if i == 0 else FSDPState(m, None, mp, type(m).__name__)
-        if i > 0:
-            # A list of modules shares one group: the first owns it, the rest forward through it.
-            st.group = group
-        m._ffsdp_state = st  # type: ignore[assignment]
-        pre, post = hooks_for(st)
-        m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
-        m.register_forward_hook(post)
-        m.register_load_state_dict_post_hook(readopt_after_load)  # load_state_dict(assign=True)
-        m.register_state_dict_pre_hook(_to_sharded_hook)
-        m._register_load_state_dict_pre_hook(_to_sharded_hook, with_module=True)
-        swap_class(m)
-    return module
+    return params, holders, fqns
 
 
 def _to_sharded_hook(module: nn.Module, *args: Any, **kwargs: Any) -> None:

@@ -11,8 +11,6 @@ replacements move the same bytes as the native collective, so gloo groups use th
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,8 +20,9 @@ import torch.distributed as dist
 
 from ..comm import DoneWork, Work
 from ..errors import CollectiveError, CollectiveTimeoutError, PeerAbortedError
+from .schedule import ScopedComm, Waiter
 
-__all__ = ["ProcessGroupComm", "ScopedComm", "resync"]
+__all__ = ["ProcessGroupComm"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
 
@@ -54,41 +53,6 @@ class _ThenWork:
         if self._then is not None:
             then, self._then = self._then, None
             then()
-
-
-class _Waiter:
-    """A thread that blocks in gloo's ``Work.wait()`` (which cannot be interrupted, and whose
-    own timeout closes the connection) while the caller waits on an event in slices, checking
-    the deadline and the peers' abort flag in between. A wait that is abandoned leaves its
-    thread blocked; the next wait starts a new one."""
-
-    def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, works: list) -> tuple[threading.Event, list]:
-        if self._thread is None or not self._thread.is_alive():
-            self._jobs = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._run, args=(self._jobs,), daemon=True)
-            self._thread.start()
-        done = threading.Event()
-        box: list[BaseException] = []
-        self._jobs.put((works, done, box))
-        return done, box
-
-    def abandon(self) -> None:
-        self._thread = None
-
-    @staticmethod
-    def _run(jobs: queue.SimpleQueue) -> None:
-        while True:
-            works, done, box = jobs.get()
-            try:
-                for w in works:
-                    w.wait()
-            except BaseException as e:  # handed to the waiting caller
-                box.append(e)
-            done.set()
 
 
 class ProcessGroupComm:
@@ -122,7 +86,7 @@ class ProcessGroupComm:
         self.check_schedule = os.environ.get("FFSDP_SCHEDULE_CHECK", "1") != "0"
         self.timeout_s = float(os.environ.get("FFSDP_COLLECTIVE_TIMEOUT", "600"))
         self._epoch = 0
-        self._waiter = _Waiter()
+        self._waiter = Waiter()
         self._abandoned: list[Any] = []  # works (and their buffers) a failed step left posted
         # Ids that agree across ranks without any global registry: per-rank counters in the
         # process group's store (rank r's k-th id is k on every rank, as fully_shard runs in
@@ -425,94 +389,5 @@ class ProcessGroupComm:
         return work
 
 
-class ScopedComm:
-    """One parameter group's view of a :class:`ProcessGroupComm`: the same process group and
-    tag counter, with the group's key stamped on every collective (the schedule check).
-
-    Attributes:
-        base: the shared communicator.
-        key: the group's key (``fully_shard`` order).
-    """
-
-    supports_pieces: bool
-
-    def __init__(self, base: ProcessGroupComm, key: int) -> None:
-        self.base = base
-        self.key = key
-        self.supports_pieces = base.supports_pieces
-
-    @property
-    def rank(self) -> int:
-        """This rank's index in the group."""
-        return self.base.rank
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the group."""
-        return self.base.world_size
-
-    def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
-    ) -> Work:
-        """See :meth:`ProcessGroupComm.all_gather`."""
-        return self.base.all_gather(output, input, async_op=async_op, key=self.key)
-
-    def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, *, op: str = "sum", async_op: bool = False
-    ) -> Work:
-        """See :meth:`ProcessGroupComm.reduce_scatter`."""
-        return self.base.reduce_scatter(output, input, op=op, async_op=async_op, key=self.key)
-
-    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Work:
-        """See :meth:`ProcessGroupComm.all_reduce`."""
-        return self.base.all_reduce(tensor, op=op, async_op=async_op, key=self.key)
-
-    def all_gather_pieces(
-        self,
-        outputs: list[list[torch.Tensor]],
-        inputs: list[torch.Tensor],
-        *,
-        async_op: bool = False,
-    ) -> Work:
-        """See :meth:`ProcessGroupComm.all_gather_pieces`."""
-        return self.base.all_gather_pieces(outputs, inputs, async_op=async_op, key=self.key)
-
-    def reduce_scatter_pieces(
-        self,
-        outputs: list[torch.Tensor],
-        inputs: list[list[torch.Tensor]],
-        *,
-        op: str = "sum",
-        async_op: bool = False,
-    ) -> Work:
-        """See :meth:`ProcessGroupComm.reduce_scatter_pieces`."""
-        return self.base.reduce_scatter_pieces(
-            outputs, inputs, op=op, async_op=async_op, key=self.key
-        )
-
-
 def _done(work: object, async_op: bool) -> Work:
     return work if (async_op and work is not None) else DoneWork()  # type: ignore[return-value]
-
-
-def resync(comms: list[ProcessGroupComm]) -> None:
-    """After a failed step, on every rank: tell the peers to stop waiting (they raise
-    :class:`PeerAbortedError`), wait until every rank resyncs, and start a fresh epoch of tags on
-    each communicator, so nothing the failed step left in flight pairs with the next step.
-    """
-    comms = [c for c in comms if c.world_size > 1]
-    for c in comms:
-        c._post_abort()
-    for c in comms:
-        c._barrier("resync")
-    # One more barrier per process group: every rank's abort posts are in before anyone reads
-    # the counter it will compare against from now on.
-    firsts: dict[str, ProcessGroupComm] = {}
-    for c in comms:
-        firsts.setdefault(c._pg_prefix, c)
-    for c in firsts.values():
-        c._barrier("resynced")
-    for c in comms:
-        c._epoch += 1
-        c._calls = 0
-        c._aborts_seen = c._aborts()

@@ -319,6 +319,10 @@ class GatherCall:
 
     def gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """All-gather the (unwrapped) sources into a fresh buffer; return the full views."""
+        with torch.profiler.record_function(f"FSDP::all_gather ({self.group.name})"):
+            return self._gather(sources)
+
+    def _gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         pre, self.prefetch = self.prefetch, None
         if pre is not None and all(a is b for a, b in zip(pre.sources, sources)):
             self.sharded, pending = pre.sharded, pre.pending

@@ -9,8 +9,6 @@ is the backward of the unshard (:class:`~.autograd.UnshardFn`).
 
 from __future__ import annotations
 
-import contextlib
-import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,56 +25,22 @@ from ..records import (
     GroupLayout,
     MixedPrecisionPolicy,
     OffloadPolicy,
-    ParamSpec,
     ShardedState,
 )
 from .autograd import UnshardFn, reduce_differentiably
-from .comm import ProcessGroupComm, ScopedComm
+from .comm import ProcessGroupComm
 from .functional_path import GatherCall
+from .group_common import (
+    TrainingState,
+    _contiguous_stride,
+    _preserve_version,
+    layout_for,
+    traced,
+)
 from .memory import huge_page_advisor
+from .schedule import ScopedComm
 
-__all__ = ["ParamGroup", "TrainingState"]
-
-
-def _preserve_version(t: torch.Tensor | None) -> Any:
-    """Filling the unsharded buffer must not bump the version autograd saved with its views."""
-    if t is None:
-        return contextlib.nullcontext()
-    return torch.autograd._unsafe_preserve_version_counter(t)
-
-
-class TrainingState(enum.Enum):
-    """Where a group is in an iteration (FSDP2's states)."""
-
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
-    SUMMON_FULL_PARAMS = "summon_full_params"  # inside summon_full_params (FSDP1's state)
-
-
-def layout_for(
-    specs: Sequence[ParamSpec], world_size: int, mp_policy: MixedPrecisionPolicy
-) -> GroupLayout:
-    """The group layout of ``specs`` under FSDP2's mixed-precision rules.
-
-    ``reduce_dtype`` is dropped when it equals ``param_dtype`` (FSDP2 reduces in the compute
-    dtype then).
-    """
-    reduce = mp_policy.reduce_dtype
-    if reduce is not None and reduce == mp_policy.param_dtype:
-        reduce = None
-    return GroupLayout.build(
-        specs, world_size, param_dtype=mp_policy.param_dtype, reduce_dtype=reduce
-    )
-
-
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
+__all__ = ["ParamGroup", "TrainingState", "layout_for"]
 
 
 class ParamGroup:
@@ -281,6 +245,7 @@ class ParamGroup:
         if self.is_unsharded and self.is_stale(self._unsharded_version):
             self.free()
 
+    @traced("all_gather")
     def start_unshard(self) -> None:
         """Issue the all-gather (async) unless unsharded or already in flight."""
         self.drop_stale()
@@ -309,6 +274,7 @@ class ParamGroup:
             return attrs.evolve(self.state, flat=self.state.flat.to(self.device, non_blocking=True))
         return self.state
 
+    @traced("all_gather_copy_out")
     def wait_unshard(self) -> None:
         """Finish the all-gather into the persistent buffer (issuing it first if needed)."""
         self.drop_stale()
@@ -372,6 +338,7 @@ class ParamGroup:
             self._post_forward_version = self._unsharded_version
         self.free()
 
+    @traced("reshard")
     def reshard(self) -> None:
         """Drop every unsharded copy and register the sharded parameters (FSDP2's reshard)."""
         self.discard_pending()
@@ -418,6 +385,7 @@ class ParamGroup:
 
     # ------------------------------------------------------------------ gradients
 
+    @traced("post_backward")
     def post_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Reduce (or accumulate, without sync) the full gradients; reshard after backward."""
         self.ran_post_backward = True
@@ -445,6 +413,7 @@ class ParamGroup:
                 self.finish_reduce()
                 self.pending_reduce = self.begin_reduce(grads, self.state)
 
+    @traced("post_backward_reduce")
     def begin_reduce(
         self,
         grads: Sequence[torch.Tensor | None],
@@ -500,6 +469,7 @@ class ParamGroup:
         self._advise(t)
         return t
 
+    @traced("post_backward_rs_wait")
     def finish_reduce(self) -> None:
         """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``."""
         pending, self.pending_reduce = self.pending_reduce, None

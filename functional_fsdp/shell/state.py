@@ -15,8 +15,8 @@ from torch.autograd import Variable
 from ..errors import PolicyError, StateError
 from ..records import MixedPrecisionPolicy
 from . import functional_path
-from .comm import resync
 from .group import ParamGroup, TrainingState
+from .schedule import resync
 
 __all__ = ["FSDPState", "hooks_for", "register_fsdp_forward_method"]
 
@@ -112,6 +112,11 @@ class FSDPState:
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Unshard this group (consuming a prefetch), prefetch the next, register full params."""
+        label = "root_pre_forward" if self.root is None or self.is_root else "pre_forward"
+        with torch.profiler.record_function(f"FSDP::{label} ({self.name})"):
+            return self._pre_forward(module, args, kwargs)
+
+    def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.root is None:
             self.lazy_init()
         root = self.root
@@ -173,6 +178,10 @@ class FSDPState:
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Register sharded params, reshard per policy, hook the pre-backward, cast outputs."""
+        with torch.profiler.record_function(f"FSDP::post_forward ({self.name})"):
+            return self._post_forward(module, args, output)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         g = self.group
         if _in_backward():
             return output
@@ -219,6 +228,10 @@ class FSDPState:
     # ------------------------------------------------------------------ backward
 
     def _pre_backward(self, grad: Any) -> None:
+        with torch.profiler.record_function(f"FSDP::pre_backward ({self.name})"):
+            self._pre_backward_body()
+
+    def _pre_backward_body(self) -> None:
         root = self.root
         assert root is not None
         if not root.callback_queued:
@@ -249,6 +262,10 @@ class FSDPState:
 
     def _final_callback(self) -> None:
         """Root: finish every group (reductions, groups that got no gradient) and go idle."""
+        with torch.profiler.record_function("FSDP::root_post_backward_callback"):
+            self._finish_backward()
+
+    def _finish_backward(self) -> None:
         self.callback_queued = False
         for s in self.all_states:
             g = s.group

@@ -106,13 +106,28 @@ def summon_full_params(
         yield
         return
     materialise = not rank0_only or dist.get_rank() == 0
+    sessions, guards = _open_all(
+        states,
+        groups,
+        materialise=materialise,
+        offload_to_cpu=offload_to_cpu,
+        with_grads=with_grads,
+    )
+    try:
+        yield
+    finally:
+        _close_all(sessions, guards, writeback=writeback)
+
+
+def _open_all(
+    states: Sequence[Any], groups: Sequence[ParamGroup], **options: bool
+) -> tuple[list[_Summoned], list[Any]]:
+    """Gather every group and guard every module's forward; on failure undo what was done."""
     sessions: list[_Summoned] = []
     guards: list[Any] = []
     try:
         for g in groups:
-            session = _Summoned(
-                g, materialise=materialise, offload_to_cpu=offload_to_cpu, with_grads=with_grads
-            )
+            session = _Summoned(g, **options)
             sessions.append(session)
             session.open()
         for s in states:
@@ -123,19 +138,21 @@ def summon_full_params(
         for session in sessions:
             session.close(writeback=False)
         raise
-    try:
-        yield
-    finally:
-        for h in guards:
-            h.remove()
-        errors: list[BaseException] = []
-        for session in sessions:
-            try:
-                session.close(writeback=writeback)
-            except StateError as e:
-                errors.append(e)
-        if errors:
-            raise errors[0]
+    return sessions, guards
+
+
+def _close_all(sessions: Sequence[_Summoned], guards: Sequence[Any], *, writeback: bool) -> None:
+    """Remove the guards, write back (if asked) and restore every group; first error wins."""
+    for h in guards:
+        h.remove()
+    errors: list[BaseException] = []
+    for session in sessions:
+        try:
+            session.close(writeback=writeback)
+        except StateError as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 # ------------------------------------------------------------------------------ validation
@@ -250,6 +267,10 @@ class _Summoned:
         return attrs.evolve(g.state, layout=self.layout, flat=flat)
 
     def open(self) -> None:
+        with torch.profiler.record_function(f"FSDP::summon_full_params ({self.group.name})"):
+            self._open()
+
+    def _open(self) -> None:
         g = self.group
         g.training_state = TrainingState.SUMMON_FULL_PARAMS
         self.opened = True

@@ -1,0 +1,72 @@
+"""What the group runtime (:mod:`.group`) is built from: its training states, the layout rule
+for mixed precision, the profiler-name decorator, and two small tensor helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..records import GroupLayout, MixedPrecisionPolicy, ParamSpec
+
+__all__ = ["TrainingState", "layout_for", "traced"]
+
+
+def _preserve_version(t: torch.Tensor | None) -> Any:
+    """Filling the unsharded buffer must not bump the version autograd saved with its views."""
+    if t is None:
+        return contextlib.nullcontext()
+    return torch.autograd._unsafe_preserve_version_counter(t)
+
+
+class TrainingState(enum.Enum):
+    """Where a group is in an iteration (FSDP2's states)."""
+
+    IDLE = "idle"
+    FORWARD = "forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_BACKWARD = "post_backward"
+    SUMMON_FULL_PARAMS = "summon_full_params"  # inside summon_full_params (FSDP1's state)
+
+
+def traced(label: str) -> Any:
+    """Run a ``ParamGroup`` method inside ``record_function("FSDP::<label> (<group>)")``, FSDP2's
+    profiler names, so a trace shows every collective and transition per group."""
+
+    def wrap(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+            with torch.profiler.record_function(f"FSDP::{label} ({self.name})"):
+                return fn(self, *args, **kwargs)
+
+        return method
+
+    return wrap
+
+
+def layout_for(
+    specs: Sequence[ParamSpec], world_size: int, mp_policy: MixedPrecisionPolicy
+) -> GroupLayout:
+    """The group layout of ``specs`` under FSDP2's mixed-precision rules.
+
+    ``reduce_dtype`` is dropped when it equals ``param_dtype`` (FSDP2 reduces in the compute
+    dtype then).
+    """
+    reduce = mp_policy.reduce_dtype
+    if reduce is not None and reduce == mp_policy.param_dtype:
+        reduce = None
+    return GroupLayout.build(
+        specs, world_size, param_dtype=mp_policy.param_dtype, reduce_dtype=reduce
+    )
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
