@@ -23,7 +23,7 @@ from .bridges import (
 from .hyperparams import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from .norms import global_norm
 from .optim import AdamWState, InitFn, Optimizer, SGDState, UpdateFn, adamw, sgd
-from .train import (
+from .step import (
     LossFn,
     TrainState,
     TrainStep,

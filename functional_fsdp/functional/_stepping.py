@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointError
 
 from ..errors import UnsupportedError
-from ..shell.functional_path import DeferredReductions
+from ..shell import DeferredReductions
 
 __all__ = ["Accumulated", "accumulate_grads"]
 

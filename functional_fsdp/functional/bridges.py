@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from .._tree import NAMESPACE
 from ..shell import summon_full_params
 from .optim import AdamWState, Optimizer, SGDState
-from .train import (
+from .step import (
     TrainState,
     _check_model,
     _copy,

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from .._tree import tree_leaves
 from ..comm import Communicator
-from ..shell.comm import ProcessGroupComm
+from ..shell import ProcessGroupComm
 
 __all__ = ["global_norm"]
 

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from .._tree import NAMESPACE, tree_map
 from ..errors import DonatedStateError
-from ..shell.api import FSDPModule
+from ..shell import FSDPModule
 from ._pytrees import register_everywhere
 from ._stepping import Accumulated, accumulate_grads
 from .norms import StepNorms
