@@ -21,7 +21,7 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 # Files whose multi-rank snippets do not carry the marker yet (owned elsewhere): their blocks
 # are compiled but not run. Remove a file from here once its blocks are marked.
-UNMARKED = {"summon_and_checkpoints.md"}
+UNMARKED: set[str] = set()
 
 
 def _blocks(path: pathlib.Path) -> list[tuple[int, str]]:
