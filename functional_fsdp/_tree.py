@@ -15,8 +15,6 @@ from optree.integrations import attrs as _optree_attrs
 __all__ = [
     "NAMESPACE",
     "STATIC",
-    "field",
-    "frozen",
     "register",
     "tree_flatten",
     "tree_leaves",
@@ -41,17 +39,6 @@ def register(cls: _T) -> _T:
     support; this is what ``optree.integrations.attrs.frozen`` does in one step.)
     """
     return _optree_attrs.register_node(cls, namespace=NAMESPACE)  # type: ignore[return-value]
-
-
-def frozen(cls: Any = None, **kwargs: Any) -> Any:
-    """``optree.integrations.attrs.frozen`` in :data:`NAMESPACE` (children and metadata by field)."""
-    kwargs.setdefault("namespace", NAMESPACE)
-    return (
-        _optree_attrs.frozen(cls, **kwargs) if cls is not None else _optree_attrs.frozen(**kwargs)
-    )
-
-
-field = _optree_attrs.field
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:

@@ -287,3 +287,35 @@ def _unsupported_method_is_clear() -> str:
 def test_torch_only_methods_raise_clearly(world2: World) -> None:
     for msg in world2.run(_unsupported_method_is_clear):
         assert "set_custom_all_gather" in msg and "not supported" in msg
+
+
+def _last_backward_flag(use_torch: bool, use_flag: bool) -> dict[str, Any]:
+    """Two micro-batches with gradient sync on; ``set_is_last_backward(False)`` on the first."""
+    from torch.distributed.tensor import DTensor
+
+    cfg, model, *_ = _models(use_torch)
+    rank = dist.get_rank()
+    in_flight = None
+    for i in range(2):
+        if use_flag:
+            model.set_is_last_backward(i == 1)
+        model.loss(*_batch(cfg, rank, i)).backward()
+        if i == 0 and not use_torch:
+            in_flight = any(
+                m._ffsdp_state.group is not None and m._ffsdp_state.group.pending_reduce is not None
+                for m in [model, *model.blocks]
+            )
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    return {"grads": grads, "in_flight": in_flight}
+
+
+def test_set_is_last_backward_keeps_reductions_in_flight_and_matches_fsdp2(world2: World) -> None:
+    flagged = world2.run(_last_backward_flag, False, True)
+    plain = world2.run(_last_backward_flag, False, False)
+    theirs = world2.run(_last_backward_flag, True, True)
+    for f, p, t in zip(flagged, plain, theirs):
+        assert f["in_flight"] is True and p["in_flight"] is False
+        for n in f["grads"]:
+            assert torch.equal(f["grads"][n], p["grads"][n]), n
+            assert torch.equal(f["grads"][n], t["grads"][n]), n

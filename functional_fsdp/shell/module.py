@@ -108,11 +108,12 @@ class FSDPModule(TorchFSDPModule):
         self._ffsdp_state.reset()
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
-        """Whether the next backward is the last of the iteration (root only).
+        """Whether the next backward is the last of the iteration (root only; FSDP2's meaning).
 
-        As in FSDP2, it only matters with gradient accumulation: it is recorded on the root and
-        read by nothing else here, since our final callback always finishes the reductions the
-        backward issued.
+        With ``False`` (gradient accumulation, not the last micro-batch) the end of backward
+        leaves each group's gradient reduction in flight, overlapping the next micro-batch's
+        forward; it lands in ``.grad`` when the group reduces again or when a backward with
+        ``True`` (the default) ends. Read ``.grad`` only after that last backward.
         """
         self._ffsdp_state.is_last_backward = is_last_backward
 

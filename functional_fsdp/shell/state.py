@@ -271,7 +271,11 @@ class FSDPState:
             g = s.group
             if g is None:
                 continue
-            g.finish_reduce()
+            if self.is_last_backward:
+                # Otherwise (FSDP2's set_is_last_backward(False), gradient accumulation) the
+                # reduction stays in flight, overlapping the next micro-batch; the group's next
+                # reduction or the last backward's callback finishes it.
+                g.finish_reduce()
             g.discard_pending()
             keep = g.keep_for_double_backward
             g.keep_for_double_backward = False
