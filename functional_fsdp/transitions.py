@@ -48,6 +48,7 @@ __all__ = [
     "full_views",
     "pack_for_gather",
     "pack_grads",
+    "pack_locals",
     "post_forward_from_gather",
     "reduce_grad",
     "reshard",
@@ -116,14 +117,53 @@ def shard(
 def shard_tensors(tensors: Sequence[torch.Tensor], layout: GroupLayout, rank: int) -> ShardedState:
     """Shard full tensors given in ``layout`` order for ``rank`` (no communication)."""
     layout.check_full(tensors, what="shard", dtypes=[s.dtype for s in layout.specs])
-    device = tensors[0].device if tensors else torch.device("cpu")
-    flat = torch.zeros(layout.storage.total, dtype=layout.storage_dtype, device=device)
+    locals_ = []
+    for i, t in enumerate(tensors):
+        start, length = layout.extent(i, rank)
+        locals_.append(t.narrow(layout.shard_dims[i], start, length))
+    return pack_locals(locals_, layout, rank)
+
+
+def pack_locals(
+    locals_: Sequence[torch.Tensor | None],
+    layout: GroupLayout,
+    rank: int,
+    *,
+    device: torch.device | None = None,
+) -> ShardedState:
+    """A sharded state from this rank's unpadded shards (``None``: zeros); padding is zero.
+
+    The one place a :class:`ShardedState` is packed from local tensors (sharding, re-adopting
+    parameters after ``_apply``, ``functional_call`` substitutes, gradient cotangents): one
+    zeroed buffer and one ``foreach`` copy, cast to each parameter's dtype. No communication.
+
+    Raises:
+        LayoutMismatchError: a shard's shape is not this rank's local shape in ``layout``.
+    """
+    if len(locals_) != len(layout):
+        raise LayoutMismatchError(
+            f"pack_locals: {len(locals_)} shards for a layout of {len(layout)} parameters"
+        )
+    given = [t for t in locals_ if t is not None]
+    dev = device or (given[0].device if given else torch.device("cpu"))
+    flat = torch.zeros(layout.storage.total, dtype=layout.storage_dtype, device=dev)
     state = ShardedState(layout, rank, flat)
-    with torch.no_grad():
-        for i, t in enumerate(tensors):
-            start, length = layout.extent(i, rank)
-            dim = layout.shard_dims[i]
-            state.shard(i).narrow(dim, 0, length).copy_(t.detach().narrow(dim, start, length))
+    dst, src = [], []
+    for i, t in enumerate(locals_):
+        if t is None:
+            continue
+        want = layout.local_shape(i, rank)
+        if tuple(t.shape) != want:
+            raise LayoutMismatchError(
+                f"pack_locals: the shard of {layout.specs[i].fqn!r} on rank {rank} has shape "
+                f"{tuple(t.shape)}, expected {want}"
+            )
+        if t.numel():
+            dst.append(state.local(i))
+            src.append(t.detach())
+    if dst:
+        with torch.no_grad():
+            torch._foreach_copy_(dst, src)
     return state
 
 

@@ -24,7 +24,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import transitions as T
-from ..records import ShardedState
 
 __all__ = [
     "FORWARD_AD_MESSAGE",
@@ -140,13 +139,8 @@ class GatherGradFn(torch.autograd.Function):
     @staticmethod
     def forward(call: Any, *cotangents: Any) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         g = call.group
-        lay = g.layout
-        flat = torch.zeros(lay.storage.total, dtype=lay.storage_dtype, device=g.device)
-        state = ShardedState(lay, g.state.rank, flat)
-        for i, c in enumerate(cotangents):
-            if c is not None:
-                local = c._local_tensor if isinstance(c, DTensor) else c
-                state.local(i).copy_(local.detach())
+        locals_ = [c._local_tensor if isinstance(c, DTensor) else c for c in cotangents]
+        state = T.pack_locals(locals_, g.layout, g.state.rank, device=g.device)
         return T.unshard(state, g.comm).params
 
     @staticmethod

@@ -467,15 +467,6 @@ def _pack(group: ParamGroup, sources: Sequence[torch.Tensor]) -> ShardedState:
     the group's own parameters)."""
     if all(s is p for s, p in zip(sources, group.params)):
         return group.state
-    lay = group.layout
     locals_ = [_local(group, s, i) for i, s in enumerate(sources)]
     device = locals_[0].device if locals_ else group.device
-    flat = torch.zeros(lay.storage.total, dtype=lay.storage_dtype, device=device)
-    state = ShardedState(lay, group.state.rank, flat)
-    with torch.no_grad():
-        dst = [state.local(i) for i in range(len(lay))]
-        src = [loc.detach() for loc in locals_]
-        pairs = [(d, s) for d, s in zip(dst, src) if d.numel() > 0]
-        if pairs:
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-    return state
+    return T.pack_locals(locals_, group.layout, group.state.rank, device=device)

@@ -187,13 +187,7 @@ class ParamGroup:
             # module.to(dtype) (or another _apply cast) changed the parameters' dtype: train in it.
             specs = [attrs.evolve(s, dtype=d) for s, d in zip(self.layout.specs, dtypes)]
             self._set_layout(layout_for(specs, self.layout.world_size, self.mp_policy))
-        flat = torch.zeros(
-            self.layout.storage.total, dtype=self.layout.storage_dtype, device=device
-        )
-        state = ShardedState(self.layout, self.state.rank, flat)
-        with torch.no_grad():
-            for i, loc in enumerate(locals_):
-                state.local(i).copy_(loc)
+        state = T.pack_locals(locals_, self.layout, self.state.rank, device=device)
         self.state = state
         new_params = []
         for i, p in enumerate(params):

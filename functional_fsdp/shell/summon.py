@@ -228,6 +228,10 @@ def _check_can_summon(
             )
 
 
+def _local_of(t: Any) -> torch.Tensor:
+    return t.to_local()
+
+
 def _forward_guard(module: nn.Module, args: Any) -> None:
     raise StateError(
         f"{type(module).__name__}.forward was called inside summon_full_params; exit the context "
@@ -299,12 +303,8 @@ class _Summoned:
         g.comm.all_reduce(present, op="sum")
         if not bool(present.any()):
             return [None] * len(g.params)
-        state = ShardedState(self.layout, source.rank, torch.zeros_like(source.flat))
-        with torch.no_grad():
-            for i, p in enumerate(g.params):
-                grad: Any = p.grad
-                if grad is not None:
-                    state.local(i).copy_(grad.to_local())
+        grads: list[Any] = [None if p.grad is None else _local_of(p.grad) for p in g.params]
+        state = T.pack_locals(grads, self.layout, source.rank, device=source.flat.device)
         full = T.unshard(state, g.comm)
         return [t if bool(present[i]) else None for i, t in enumerate(full.params)]
 
