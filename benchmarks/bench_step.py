@@ -1,11 +1,17 @@
 """Side-by-side step time, memory and traffic: functional_fsdp vs torch FSDP2, DDP, no-comm floor.
 
 Runs every variant in one invocation on the same machine: world size 2 on gloo (one thread per
-rank), the ~13M-parameter GPT (d=384, 4 blocks, vocab 8192, seq 128, batch 4 per rank), FSDP2's
-recipe (each block, then the root), AdamW. The floor is one process, same per-rank batch, no
-collectives. Each rank sets ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` so RSS follows live tensors.
+rank), FSDP2's recipe (each block, then the root), AdamW. The floor is one process, same per-rank
+batch, no collectives. Each rank sets ``mallopt(M_MMAP_THRESHOLD, 64 KiB)`` so RSS follows live
+tensors. Models (``--model``):
 
-    python benchmarks/bench_step.py [--steps 12] [--rounds 2] [--variants floor,fsdp2,ours,ddp]
+- ``gpt13m`` (default): the ~13M-parameter GPT (d=384, 4 blocks, vocab 8192, seq 128), batch 4
+  per rank: compute-heavy, few groups.
+- ``deep``: 32 small blocks (d=128, vocab 1024, seq 64), batch 2 per rank: 33 groups with little
+  compute each, so per-group overhead (hooks, autograd Functions, messages) dominates.
+
+    python benchmarks/bench_step.py [--model deep] [--steps 12] [--rounds 2]
+        [--variants floor,fsdp2,ours,ddp]
 """
 
 from __future__ import annotations
@@ -39,7 +45,32 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+MODELS = {
+    "gpt13m": (GPTConfig(), 4),
+    "deep": (GPTConfig(vocab=1024, dim=128, n_layers=32, n_heads=4, seq=64), 2),
+}
+
+
+def _use_tree(variant: str) -> str:
+    """``ours@DIR``: run functional_fsdp from the copy in ``DIR`` (a prototype beside main)."""
+    base, _, tree = variant.partition("@")
+    if tree:
+        for name in [m for m in sys.modules if m.split(".")[0] == "functional_fsdp"]:
+            del sys.modules[name]
+        sys.path.insert(0, os.path.abspath(tree))
+        import functional_fsdp
+
+        assert functional_fsdp.__file__.startswith(os.path.abspath(tree)), functional_fsdp.__file__
+    return base
+
+
+def _label(variant: str) -> str:
+    base, _, tree = variant.partition("@")
+    return f"{base}@{os.path.basename(tree.rstrip('/'))}" if tree else base
+
+
 def _build(variant: str, cfg: GPTConfig, raf: bool | None) -> torch.nn.Module:
+    variant = _use_tree(variant)
     torch.manual_seed(0)
     model = GPT(cfg)
     if variant in ("ours", "fsdp2"):
@@ -63,13 +94,17 @@ def _collective_bytes(cfg: GPTConfig, ws: int, raf: bool) -> tuple[int, int]:
     which FSDP2 calls, is an all-reduce inside gloo and sends twice that (ring all-reduce).
     """
     model = GPT(cfg)
-    root = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
-    block = sum(p.numel() for p in model.blocks[0].parameters())
-    groups = [root] + [block] * cfg.n_layers
-    ag = sum(-(-g // ws) * (ws - 1) for g in groups)  # forward all-gathers
+
+    def shard_numel(ps: object) -> int:
+        # Each parameter is sharded on dim 0 and padded to ceil(dim0 / ws) rows (FSDP2's rule).
+        return sum(-(-p.shape[0] // ws) * (p[0].numel() if p.dim() > 1 else 1) for p in ps)
+
+    root_params = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    groups = [shard_numel(root_params)] + [shard_numel(b.parameters()) for b in model.blocks]
+    ag = sum(g * (ws - 1) for g in groups)  # forward all-gathers
     if raf:
-        ag += sum(-(-g // ws) * (ws - 1) for g in groups[1:])  # backward re-gathers (not root)
-    rs = sum(-(-g // ws) * (ws - 1) for g in groups)
+        ag += sum(g * (ws - 1) for g in groups[1:])  # backward re-gathers (not root)
+    rs = sum(g * (ws - 1) for g in groups)
     return 4 * (ag + rs), 4 * (ag + 2 * rs)
 
 
@@ -81,7 +116,7 @@ def _worker(
     if ws > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=ws)
-    cfg = GPTConfig()
+    cfg = MODELS[args.model][0]
     model = _build(variant, cfg, None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss_fn = model.module.loss if variant == "ddp" else model.loss  # type: ignore[union-attr]
@@ -123,7 +158,7 @@ def _free_port() -> int:
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    ws = 1 if variant == "floor" else args.world_size
+    ws = 1 if variant == "floor" else args.world_size  # ours@DIR: see _use_tree
     port = _free_port()
     procs = [ctx.Process(target=_worker, args=(r, ws, port, variant, args, q)) for r in range(ws)]
     for p in procs:
@@ -150,21 +185,29 @@ def main() -> None:
     ap.add_argument(
         "--rounds", type=int, default=2, help="repeat all variants, keep each one's best"
     )
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--model", choices=sorted(MODELS), default="gpt13m")
+    ap.add_argument("--batch", type=int, default=None, help="per rank (default: the model's)")
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--variants", default="floor,fsdp2,ours,ddp")
+    ap.add_argument(
+        "--variants", default="floor,fsdp2,ours,ddp", help="ours@DIR: functional_fsdp from DIR"
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
+    if args.batch is None:
+        args.batch = MODELS[args.model][1]
     variants = args.variants.split(",")
     rows: dict[str, dict] = {}
+    every: dict[str, list[float]] = {v: [] for v in variants}
     # Variants alternate round by round, so a burst of load on the machine hits all of them.
     for _ in range(args.rounds):
         for v in variants:
             r = run_variant(v, args)
+            every[v].append(r["step_ms"])
             best = rows.get(v)
             if best is None or r["step_ms"] < best["step_ms"]:
                 rows[v] = r
-    cfg = GPTConfig()
+    cfg = MODELS[args.model][0]
+    print(f"model {args.model}: {cfg}, batch {args.batch} per rank, {args.rounds} rounds")
     print(
         f"{'variant':8} {'step ms':>9} {'x floor':>8} {'x fsdp2':>8} {'peak RSS MiB':>13} {'local params':>13}"
     )
@@ -172,8 +215,15 @@ def main() -> None:
         fl = r["step_ms"] / rows["floor"]["step_ms"] if "floor" in rows else float("nan")
         fs = r["step_ms"] / rows["fsdp2"]["step_ms"] if "fsdp2" in rows else float("nan")
         print(
-            f"{v:8} {r['step_ms']:9.1f} {fl:8.3f} {fs:8.3f} {r['peak_rss_mib']:13.1f} {r['local_param_numel']:13d}"
+            f"{_label(v):8} {r['step_ms']:9.1f} {fl:8.3f} {fs:8.3f} {r['peak_rss_mib']:13.1f} {r['local_param_numel']:13d}"
         )
+    print(
+        "per round (step ms): "
+        + "; ".join(f"{_label(v)} {' '.join(f'{t:.1f}' for t in ts)}" for v, ts in every.items())
+    )
+    if "ours" in every and "fsdp2" in every:
+        per = [o / f for o, f in zip(every["ours"], every["fsdp2"])]
+        print("ours / fsdp2 per round: " + " ".join(f"{x:.3f}" for x in per))
     ours_b, fsdp2_b = _collective_bytes(cfg, args.world_size, raf=True)
     print(
         f"bytes sent per rank per step: ours {ours_b / 2**20:.1f} MiB, FSDP2 {fsdp2_b / 2**20:.1f} MiB "
@@ -181,7 +231,11 @@ def main() -> None:
     )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "bytes_ours": ours_b, "bytes_fsdp2": fsdp2_b}, f, indent=1)
+            json.dump(
+                {"rows": rows, "rounds": every, "bytes_ours": ours_b, "bytes_fsdp2": fsdp2_b},
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":
