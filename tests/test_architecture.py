@@ -243,3 +243,23 @@ def test_functional_api_uses_only_the_shells_public_package() -> None:
         if reach:
             bad[path.name] = reach
     assert not bad, f"functional/ reaches into shell internals: {bad}"
+
+
+def test_files_and_functions_stay_small() -> None:
+    """No file over 500 lines anywhere in the project's code; no library function over 80."""
+    project = ROOT.parent
+    long_files = {
+        str(p.relative_to(project)): n
+        for folder in (PACKAGE, "tests", "benchmarks", "examples")
+        for p in (project / folder).rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long_files, f"split these files (over 500 lines): {long_files}"
+    long_functions = {}
+    for path in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = (node.end_lineno or node.lineno) - node.lineno + 1
+                if n > 80:
+                    long_functions[f"{path.relative_to(project)}:{node.name}"] = n
+    assert not long_functions, f"split these functions (over 80 lines): {long_functions}"
