@@ -177,7 +177,9 @@ def main() -> None:
                 r = run(v, w, args)
                 rows = r["stats"]
                 tag = f"{v}, world size {w}, under cProfile: step {r['step']:.0f} us"
-                only = "functional_fsdp" if v == "ours" else "torch/distributed/fsdp"
+                only = "functional_fsdp/shell" if v.startswith("ours") else "torch/distributed/fsdp"
+                if v.startswith("ours"):
+                    rows = [r for r in rows if "functional_fsdp/testing" not in r[0]]
                 _print_hot(f"{tag}; own package by cumulative", rows, 2, args.top, only)
                 _print_hot(f"{tag}; all by own time", rows, 3, args.top, None)
 
