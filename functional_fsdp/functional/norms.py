@@ -44,7 +44,7 @@ def _comm_for(key: _Key | None, comms: dict[Any, Communicator]) -> Communicator 
         return None
     if key not in comms:
         mesh, dim = key
-        comms[key] = ProcessGroupComm(mesh.get_group(dim))
+        comms[key] = ProcessGroupComm.for_mesh(mesh, dim)
     return comms[key]
 
 

@@ -275,8 +275,8 @@ def _build_group(
 
         state = attrs.evolve(state, flat=flat)
     # Each group gets its own scoped view of the shared communicators (the schedule check).
-    comm = _mesh_comm(mesh, -1).scoped()
-    rep = _mesh_comm(mesh, 0).scoped() if mesh.ndim == 2 else None
+    comm = ProcessGroupComm.for_mesh(mesh, -1).scoped()
+    rep = ProcessGroupComm.for_mesh(mesh, 0).scoped() if mesh.ndim == 2 else None
     sub = (
         _sub_group_comm(mesh, raf).scoped()
         if (isinstance(raf, int) and not isinstance(raf, bool))
@@ -302,20 +302,6 @@ def _compute_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
-
-
-def _mesh_comm(mesh: DeviceMesh, dim: int) -> ProcessGroupComm:
-    """The one communicator of this rank's group along ``dim`` of ``mesh``.
-
-    Every group on the mesh shares it, so the point-to-point tag ranges of concurrent
-    collectives (one group's reduce-scatter beside another's prefetch) never overlap. Cached on
-    the mesh object (per-rank state, not a global).
-    """
-    cache = mesh.__dict__.setdefault("_ffsdp_comms", {})
-    key = dim % mesh.ndim
-    if key not in cache:
-        cache[key] = ProcessGroupComm(mesh.get_group(key) if mesh.ndim > 1 else mesh.get_group())
-    return cache[key]
 
 
 def _sub_group_comm(mesh: DeviceMesh, size: int) -> ProcessGroupComm:

@@ -101,6 +101,21 @@ class ProcessGroupComm:
         """Whether the pieces collectives are native here (point-to-point on gloo)."""
         return self._p2p
 
+    @classmethod
+    def for_mesh(cls, mesh: Any, dim: int) -> ProcessGroupComm:
+        """The one communicator of this rank's group along ``dim`` of ``mesh``.
+
+        Every user of the mesh shares it (the groups' scoped views, the functional API's norms),
+        so point-to-point tag ranges of concurrent collectives never overlap and no call pays
+        for a new one. Cached on the mesh object (per-rank state, not a global).
+        """
+        cache = mesh.__dict__.setdefault("_ffsdp_comms", {})
+        key = dim % mesh.ndim
+        if key not in cache:
+            cache[key] = cls(mesh.get_group(key) if mesh.ndim > 1 else mesh.get_group())
+        comm: ProcessGroupComm = cache[key]
+        return comm
+
     def scoped(self) -> ScopedComm:
         """A view of this communicator for one parameter group: its collectives carry the
         group's key in their tags (keys are handed out in ``fully_shard`` order, the same on
