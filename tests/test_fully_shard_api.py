@@ -81,9 +81,9 @@ def case_explicit_prefetch(explicit: bool) -> dict:
     def recording(i, g):
         orig_start, orig_post_backward = g.start_unshard, g.post_backward
 
-        def start_unshard():
+        def start_unshard(*args):
             idle = g.pending is None and not g.is_unsharded
-            orig_start()
+            orig_start(*args)
             if idle and g.pending is not None:
                 log.append(f"gather{i}")
 

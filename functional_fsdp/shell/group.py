@@ -225,27 +225,27 @@ class ParamGroup:
             return -1
         return v
 
-    def is_stale(self, version: int) -> bool:
-        """Whether data gathered at :meth:`sharded_version` ``version`` is out of date now."""
-        return version != self.sharded_version()
-
-    def drop_stale(self) -> None:
+    def drop_stale(self) -> int:
         """Forget unsharded data (buffer, gather in flight, post-forward rows) that was
-        gathered before the latest write to the sharded parameters."""
-        if self.post_forward is not None and self.is_stale(self._post_forward_version):
+        gathered before the latest write to the sharded parameters; return the shards' current
+        :meth:`sharded_version` (read once: dropping reads and frees, it writes no shard)."""
+        now = self.sharded_version()
+        if self.post_forward is not None and self._post_forward_version != now:
             self.post_forward = None
-        if self.pending is not None and self.is_stale(self._pending_version):
+        if self.pending is not None and self._pending_version != now:
             self.discard_pending()
-        if self.is_unsharded and self.is_stale(self._unsharded_version):
+        if self.is_unsharded and self._unsharded_version != now:
             self.free()
+        return now
 
     @traced("all_gather")
-    def start_unshard(self) -> None:
-        """Issue the all-gather (async) unless unsharded or already in flight."""
-        self.drop_stale()
+    def start_unshard(self, version: int | None = None) -> None:
+        """Issue the all-gather (async) unless unsharded or already in flight. ``version``: the
+        shards' version when the caller just dropped stale data (saves reading it again)."""
+        now = self.drop_stale() if version is None else version
         if self.is_unsharded or self.pending is not None:
             return
-        self._pending_version = self.sharded_version()
+        self._pending_version = now
         if self.post_forward is not None and self.sub_comm is not None:
             self._pending_version = self._post_forward_version
             self.pending = T.begin_unshard(self.post_forward, self.sub_comm, async_op=True)
@@ -271,10 +271,10 @@ class ParamGroup:
     @traced("all_gather_copy_out")
     def wait_unshard(self) -> None:
         """Finish the all-gather into the persistent buffer (issuing it first if needed)."""
-        self.drop_stale()
+        now = self.drop_stale()
         if self.is_unsharded:
             return
-        self.start_unshard()
+        self.start_unshard(now)
         pending = self.pending
         assert pending is not None
         self.pending = None
