@@ -34,8 +34,9 @@ class TrainingState(enum.Enum):
 
 
 def traced(label: str) -> Any:
-    """Run a ``ParamGroup`` method inside ``record_function("FSDP::<label> (<group>)")``, FSDP2's
-    profiler names, so a trace shows every collective and transition per group."""
+    """Run a method of a ``ParamGroup`` or ``FSDPState`` (anything with a ``name``) inside
+    ``record_function("FSDP::<label> (<name>)")``, FSDP2's profiler names, so a trace shows every
+    collective and transition per group."""
 
     def wrap(fn: Any) -> Any:
         @functools.wraps(fn)

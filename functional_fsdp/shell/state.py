@@ -16,6 +16,7 @@ from ..errors import PolicyError, StateError
 from ..records import MixedPrecisionPolicy
 from . import functional_path
 from .group import ParamGroup, TrainingState
+from .group_common import traced
 from .schedule import resync
 
 __all__ = ["FSDPState", "hooks_for", "register_fsdp_forward_method"]
@@ -176,12 +177,9 @@ class FSDPState:
         nxt = [s for s in order[i + 1 :] if s.group is not None][:1]
         return nxt
 
+    @traced("post_forward")
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         """Register sharded params, reshard per policy, hook the pre-backward, cast outputs."""
-        with torch.profiler.record_function(f"FSDP::post_forward ({self.name})"):
-            return self._post_forward(module, args, output)
-
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         g = self.group
         if _in_backward():
             return output
@@ -227,11 +225,8 @@ class FSDPState:
 
     # ------------------------------------------------------------------ backward
 
+    @traced("pre_backward")
     def _pre_backward(self, grad: Any) -> None:
-        with torch.profiler.record_function(f"FSDP::pre_backward ({self.name})"):
-            self._pre_backward_body()
-
-    def _pre_backward_body(self) -> None:
         root = self.root
         assert root is not None
         if not root.callback_queued:
