@@ -21,7 +21,14 @@ from .comm import Communicator, DoneWork, PiecesCommunicator, Work, check_comm
 from .errors import LayoutMismatchError, StateError
 from .records import GroupLayout, ShardedState
 
-__all__ = ["PendingReduce", "begin_reduce", "finish_reduce", "pack_grads", "reduce_grad"]
+__all__ = [
+    "PendingReduce",
+    "accumulate_local_grads",
+    "begin_reduce",
+    "finish_reduce",
+    "pack_grads",
+    "reduce_grad",
+]
 
 
 def _grad_list(grads: Any, layout: GroupLayout) -> list[torch.Tensor | None]:
@@ -200,6 +207,37 @@ def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> Sharded
             new.append(g + prev if (accumulate and prev is not None) else g)
         off += n
     return attrs.evolve(sharded, grads=tuple(new), partial=partial)
+
+
+def accumulate_local_grads(
+    new: ShardedState, current: Sequence[torch.Tensor | None], *, donate: bool = False
+) -> tuple[torch.Tensor | None, ...]:
+    """This rank's unpadded sharded gradients after adding ``new``'s to ``current``.
+
+    ``current`` holds one unpadded local gradient (or ``None``) per parameter, e.g. what a
+    module's ``.grad`` holds. Entry ``i`` of the result is ``new.local_grad(i)`` where
+    ``current[i]`` is ``None``, ``current[i]`` where ``new`` has no gradient, else their sum:
+    a new tensor, or, with ``donate=True``, ``current[i]`` accumulated in place (the caller
+    gives up ``current``; the shell donates its ``.grad`` tensors so a gradient is stored once).
+    """
+    lay = new.layout
+    if len(current) != len(lay):
+        raise LayoutMismatchError(
+            f"accumulate_local_grads: {len(current)} current gradients for {len(lay)} parameters"
+        )
+    out: list[torch.Tensor | None] = []
+    for i, prev in enumerate(current):
+        g = new.local_grad(i)
+        if g is None or prev is None:
+            out.append(prev if g is None else g)
+        elif tuple(prev.shape) != tuple(g.shape):
+            raise LayoutMismatchError(
+                f"accumulate_local_grads: the current gradient of {lay.specs[i].fqn!r} has shape "
+                f"{tuple(prev.shape)}, this rank's shard is {tuple(g.shape)}"
+            )
+        else:
+            out.append(prev.add_(g) if donate else prev + g)
+    return tuple(out)
 
 
 def reduce_grad(

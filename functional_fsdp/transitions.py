@@ -34,11 +34,19 @@ from .records import (
     UnshardedState,
     region,
 )
-from .reduction import PendingReduce, begin_reduce, finish_reduce, pack_grads, reduce_grad
+from .reduction import (
+    PendingReduce,
+    accumulate_local_grads,
+    begin_reduce,
+    finish_reduce,
+    pack_grads,
+    reduce_grad,
+)
 
 __all__ = [
     "PendingReduce",
     "PendingUnshard",
+    "accumulate_local_grads",
     "begin_reduce",
     "begin_unshard",
     "copy_out",

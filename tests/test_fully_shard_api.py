@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 def case_peak_unsharded(recipe: str) -> dict:
     """Peak number (and bytes) of block groups whose unsharded buffer is allocated, over steps.
 
-    A group's buffer storage only grows in ``_alloc_buffer`` (called by both the gather issue,
+    A group's buffer storage only grows in ``GatherSlot.alloc`` (called by both the gather issue,
     prefetches included, and its wait), so reading the live set right after every allocation
     sees the true peak; freeing only lowers it.
     """
@@ -44,21 +44,24 @@ def case_peak_unsharded(recipe: str) -> dict:
             if g.buffer is not None and g.buffer.untyped_storage().nbytes() > 0
         ]
 
-    def recording(g):
-        orig = g._alloc_buffer
+    from functional_fsdp.shell.gather import GatherSlot
 
-        def alloc():
-            out = orig()
+    slots = {id(g.slot) for g in groups}
+    orig = GatherSlot.alloc
+
+    def alloc(self):
+        out = orig(self)
+        if id(self) in slots:
             now = live()
             peak["groups"] = max(peak["groups"], len(now))
             peak["bytes"] = max(peak["bytes"], sum(now))
-            return out
+        return out
 
-        return alloc
-
-    for g in groups:
-        g._alloc_buffer = recording(g)
-    _train(model, recipe, steps=2)
+    GatherSlot.alloc = alloc
+    try:
+        _train(model, recipe, steps=2)
+    finally:
+        GatherSlot.alloc = orig
     sizes = sorted((g.buffer.numel() * g.buffer.element_size() for g in groups), reverse=True)
     return {**peak, "two_largest_bytes": sum(sizes[:2]), "all_bytes": sum(sizes)}
 

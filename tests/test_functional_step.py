@@ -317,7 +317,7 @@ def _case_peak_unsharded_bytes() -> dict[str, int]:
 
     def spy_gather(self: Any, sources: Any) -> Any:
         out = orig_gather(self, sources)
-        buffers.append(weakref.ref(self.buffer))
+        buffers.append(weakref.ref(self.slot.buffer))
         sample()
         return out
 

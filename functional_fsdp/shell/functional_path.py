@@ -46,6 +46,7 @@ from .. import layout as L
 from .. import transitions as T
 from ..records import ShardedState
 from .autograd import GatherFn
+from .gather import GatherSlot
 
 if TYPE_CHECKING:
     from .group import ParamGroup
@@ -91,21 +92,19 @@ class FunctionalForward:
     def drain(self) -> None:
         """Wait for prefetched all-gathers nobody consumed (every rank issued them)."""
         for pre in self.prefetched.values():
-            pre.pending.work.wait()
+            pre.slot.discard()
         self.prefetched.clear()
 
 
 class _Prefetch:
     """An all-gather issued ahead of a group's forward from the sources then registered."""
 
-    __slots__ = ("pending", "sharded", "sources")
+    __slots__ = ("sharded", "slot", "sources")
 
-    def __init__(
-        self, sources: tuple[Any, ...], sharded: ShardedState, pending: T.PendingUnshard
-    ) -> None:
+    def __init__(self, sources: tuple[Any, ...], sharded: ShardedState, slot: GatherSlot) -> None:
         self.sources = sources
         self.sharded = sharded
-        self.pending = pending
+        self.slot = slot
 
 
 class _Marker:
@@ -207,7 +206,7 @@ def _sources(group: ParamGroup) -> list[Any]:
 def _prefetch_next(state: FSDPState, fwd: FunctionalForward) -> None:
     """Start the next group's all-gather now, as the shell prefetches (plain DTensor sources
     only: under a ``torch.func`` transform the sources are wrapped until the Function runs)."""
-    for target in state._forward_prefetch_targets():
+    for target in state.forward_prefetch_targets():
         g = target.group
         if g is None or target in fwd.prefetched or any(c.group is g for c in fwd.calls):
             continue
@@ -219,9 +218,9 @@ def _prefetch_next(state: FSDPState, fwd: FunctionalForward) -> None:
         except (TypeError, ValueError):
             continue  # raised, with the parameter's name, when that group's forward runs
         sharded = _pack(g, sources)
-        fwd.prefetched[target] = _Prefetch(
-            sources, sharded, T.begin_unshard(sharded, g.comm, async_op=True)
-        )
+        slot = g.new_slot()
+        slot.start(sharded, g.comm)
+        fwd.prefetched[target] = _Prefetch(sources, sharded, slot)
 
 
 def post_forward(state: FSDPState, output: Any) -> Any:
@@ -250,7 +249,7 @@ def post_forward(state: FSDPState, output: Any) -> Any:
         ]
     if not tensors:
         # Nothing saved for backward: drop the buffer (outputs aliasing it keep it alive).
-        rec.buffer = None
+        rec.slot = None
         return output
     if g.reshard_after_forward is not False:
         rec.free()
@@ -270,33 +269,32 @@ class GatherCall:
         sources: the tensors registered on the modules at pre-forward (restored at post-forward).
         sharded: the sources' shards packed as a :class:`ShardedState` (the gather input, kept
             for the re-gather in backward and the reduction's layout).
-        buffer: the unsharded buffer the full parameters view into (storage freed when resharded).
+        slot: the engine's unsharded copy of ``sharded`` for this call (a buffer per call,
+            storage freed when resharded); ``None`` when nothing is gathered.
         deferred: where reductions go when the sources were tagged by
             :class:`DeferredReductions` (``None``: reduce synchronously).
     """
 
     __slots__ = (
-        "buffer",
         "create_graph",
         "deferred",
         "forward",
         "group",
         "is_root",
-        "pending",
         "prefetch",
         "prev",
         "sharded",
+        "slot",
         "sources",
     )
 
-    def __init__(self, group: ParamGroup, forward: FunctionalForward) -> None:
+    def __init__(self, group: ParamGroup, forward: FunctionalForward | None) -> None:
         self.group = group
-        self.forward: FunctionalForward | None = forward
-        self.prev: GatherCall | None = forward.calls[-1] if forward.calls else None
+        self.forward = forward
+        self.prev: GatherCall | None = forward.calls[-1] if forward and forward.calls else None
         self.sources: tuple[Any, ...] = ()
         self.sharded: ShardedState | None = None
-        self.buffer: torch.Tensor | None = None
-        self.pending: T.PendingUnshard | None = None
+        self.slot: GatherSlot | None = None
         self.prefetch: _Prefetch | None = None
         self.deferred: DeferredReductions | None = None
         self.is_root = False
@@ -306,67 +304,55 @@ class GatherCall:
 
     @classmethod
     def for_group(cls, group: ParamGroup) -> GatherCall:
-        """A call over the group's own sharded state and buffer (the module path's gradients
-        returned to ``torch.autograd.grad``); the group keeps managing its buffer."""
-        call = cls.__new__(cls)
-        call.group, call.forward, call.prev = group, None, None
-        call.sources, call.sharded, call.buffer = (), group.state, None
-        call.pending = call.prefetch = call.deferred = None
-        call.is_root, call.create_graph = False, False
+        """A call over the group's own sharded state (the module path's gradients returned to
+        ``torch.autograd.grad``); the group keeps managing its own unsharded copy."""
+        call = cls(group, None)
+        call.sharded = group.state
         return call
 
     # forward
 
     def gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """All-gather the (unwrapped) sources into a fresh buffer; return the full views."""
+        """All-gather the (unwrapped) sources into this call's slot; return the full params."""
         with torch.profiler.record_function(f"FSDP::all_gather ({self.group.name})"):
             return self._gather(sources)
 
     def _gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        g = self.group
         pre, self.prefetch = self.prefetch, None
         if pre is not None and all(a is b for a, b in zip(pre.sources, sources)):
-            self.sharded, pending = pre.sharded, pre.pending
+            self.sharded, self.slot = pre.sharded, pre.slot
         else:
             if pre is not None:
-                pre.pending.work.wait()
-            self.sharded = _pack(self.group, sources)
-            pending = T.begin_unshard(self.sharded, self.group.comm, async_op=False)
+                pre.slot.discard()
+            self.sharded, self.slot = _pack(g, sources), g.new_slot()
         tags = [getattr(s, DeferredReductions.ATTR, None) for s in sources]
         if tags and all(t is tags[0] for t in tags):
             self.deferred = tags[0]
-        unsharded = T.finish_unshard(pending)
-        self.buffer = unsharded.buffer
-        return unsharded.params
+        with torch._C._DisableFuncTorch():
+            # Plain tensors only (the sources were unwrapped): a torch.func transform must not
+            # see the collective's writes into this call's buffer as mutations of its inputs.
+            self.slot.gather(self.sharded, g.comm)
+            return tuple(v.view_as(v) for v in self.slot.views)
 
     def free(self) -> None:
         """Free the buffer's storage (views saved by autograd stay valid objects)."""
-        buf = self.buffer
-        if buf is not None and buf.untyped_storage().size() != 0:
-            buf.untyped_storage().resize_(0)
+        if self.slot is not None:
+            self.slot.free()
 
     # backward
 
     def start_regather(self) -> None:
         """Issue the re-gather (async) unless the buffer is live or one is in flight."""
-        buf = self.buffer
-        if buf is None or self.pending is not None or buf.untyped_storage().size() != 0:
-            return
-        assert self.sharded is not None
-        self.pending = T.begin_unshard(self.sharded, self.group.comm, async_op=True)
+        if self.slot is not None and self.sharded is not None:
+            with torch._C._DisableFuncTorch():
+                self.slot.start(self.sharded, self.group.comm)
 
     def ensure_gathered(self) -> None:
         """Make the buffer hold the full parameters again (after :meth:`free`)."""
-        buf = self.buffer
-        if buf is None or buf.untyped_storage().size() != 0:
-            return
-        self.start_regather()
-        pending, self.pending = self.pending, None
-        assert pending is not None
-        pending.work.wait()
-        assert pending.output is not None  # gathered without `into`: the packed path
-        buf.untyped_storage().resize_(buf.numel() * buf.element_size())
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-            T.copy_out(self.group.layout, pending.output, buf)
+        if self.slot is not None and self.sharded is not None:
+            with torch._C._DisableFuncTorch():
+                self.slot.gather(self.sharded, self.group.comm)
 
     def pre_backward_hook(self, _grad: Any) -> None:
         """Before this group's backward: gather again; prefetch the previous group's re-gather."""
@@ -393,7 +379,7 @@ class GatherCall:
         else:
             new = T.finish_reduce(pending, accumulate=False)
             locals_ = [new.local_grad(i) for i in range(len(g.layout))]
-        return tuple(None if loc is None else g._dtensor(loc, i) for i, loc in enumerate(locals_))
+        return tuple(None if loc is None else g.dtensor(loc, i) for i, loc in enumerate(locals_))
 
 
 def _deferred_results(pending: T.PendingReduce) -> list[torch.Tensor | None]:
@@ -427,17 +413,17 @@ def _deferred_results(pending: T.PendingReduce) -> list[torch.Tensor | None]:
 def _local(group: ParamGroup, t: torch.Tensor, i: int) -> torch.Tensor:
     spec = group.layout.specs[i]
     if isinstance(t, DTensor):
-        if tuple(t.placements) != tuple(group._placements[i]) or t.device_mesh != group.mesh:
+        if tuple(t.placements) != tuple(group.placements[i]) or t.device_mesh != group.mesh:
             raise ValueError(
                 f"functional_call on a sharded module: the tensor for {spec.fqn!r} of {group.name} has placements "
                 f"{tuple(t.placements)} on {t.device_mesh}; it must have the placement of the "
-                f"module's own parameter, {tuple(group._placements[i])} on {group.mesh}"
+                f"module's own parameter, {tuple(group.placements[i])} on {group.mesh}"
             )
         return t._local_tensor
     raise TypeError(
         f"functional_call on a sharded module: the tensor for {spec.fqn!r} of {group.name} is a "
         f"{type(t).__name__}; pass a DTensor with the placement of the module's own parameter "
-        f"({tuple(group._placements[i])}), e.g. a detached copy of model.get_parameter({spec.fqn!r})"
+        f"({tuple(group.placements[i])}), e.g. a detached copy of model.get_parameter({spec.fqn!r})"
     )
 
 

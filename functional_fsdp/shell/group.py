@@ -30,13 +30,8 @@ from ..records import (
 from .autograd import UnshardFn, reduce_differentiably
 from .comm import ProcessGroupComm
 from .functional_path import GatherCall
-from .group_common import (
-    TrainingState,
-    _contiguous_stride,
-    _preserve_version,
-    layout_for,
-    traced,
-)
+from .gather import GatherSlot
+from .group_common import TrainingState, _contiguous_stride, layout_for, traced
 from .memory import huge_page_advisor
 from .schedule import ScopedComm
 
@@ -88,27 +83,20 @@ class ParamGroup:
         self.name = name
         self._set_layout(layout)
         self.params: list[nn.Parameter] = [
-            nn.Parameter(self._dtensor(state.local(i), i), requires_grad=rg)
+            nn.Parameter(self.dtensor(state.local(i), i), requires_grad=rg)
             for i, rg in enumerate(requires_grad)
         ]
         self.requires_grad = tuple(requires_grad)
         self.register_sharded()
-        # Buffers and caches (not state): unsharded buffer and its views, the all-gather in flight.
-        self.buffer: torch.Tensor | None = None
+        # Caches (not state): the unsharded copy (buffer, views, gather in flight, the version
+        # of the shards it was gathered from), the post-forward rows and their version. Any
+        # write to a sharded parameter since (load_state_dict, an optimizer step, copy_, summon
+        # writeback) changes sharded_version() and makes that data stale.
         self._advise = huge_page_advisor()
-        self.views: tuple[torch.Tensor, ...] = ()
+        self.slot = GatherSlot(layout, device, self._advise)
         self.full_outputs: tuple[torch.Tensor, ...] | None = None
-        self.pending: T.PendingUnshard | None = None
-        # Versions of the sharded buffer that the unsharded data in hand (the buffer, the
-        # gather in flight, the post-forward rows) was gathered from: any write to a sharded
-        # parameter since (load_state_dict, an optimizer step, copy_, summon writeback) bumps
-        # the buffer's version and makes that data stale.
-        self._unsharded_version = -1
-        self._pending_version = -1
-        self._post_forward_version = -1
         self.post_forward: Any = None
-        self.gather_output: torch.Tensor | None = None
-        self.is_unsharded = False
+        self._post_forward_version = -1
         self.pending_reduce: T.PendingReduce | None = None
         self.accumulated: list[torch.Tensor | None] | None = None
         self.training_state = TrainingState.IDLE
@@ -142,7 +130,7 @@ class ParamGroup:
     def _set_layout(self, layout: GroupLayout) -> None:
         self.layout = layout
         hsdp = self.replicate_comm is not None
-        self._placements = [
+        self.placements = [
             ((Replicate(), Shard(d)) if hsdp else (Shard(d),)) for d in layout.shard_dims
         ]
         self._specs = [
@@ -151,12 +139,13 @@ class ParamGroup:
                 pl,
                 tensor_meta=TensorMeta(torch.Size(s.shape), _contiguous_stride(s.shape), s.dtype),
             )
-            for s, pl in zip(layout.specs, self._placements)
+            for s, pl in zip(layout.specs, self.placements)
         ]
 
     # ------------------------------------------------------------------ registration
 
-    def _dtensor(self, local: torch.Tensor, i: int) -> DTensor:
+    def dtensor(self, local: torch.Tensor, i: int) -> DTensor:
+        """Parameter ``i``'s local shard (or sharded gradient) as a ``DTensor`` on the mesh."""
         return DTensor(local, self._specs[i], requires_grad=False)  # type: ignore[call-arg]
 
     def register_sharded(self) -> None:
@@ -193,7 +182,7 @@ class ParamGroup:
         for i, p in enumerate(params):
             if not isinstance(p, nn.Parameter) or not isinstance(p, DTensor):
                 p = nn.Parameter(
-                    self._dtensor(state.local(i), i), requires_grad=self.requires_grad[i]
+                    self.dtensor(state.local(i), i), requires_grad=self.requires_grad[i]
                 )
             else:
                 p._local_tensor = state.local(i)  # type: ignore[attr-defined]
@@ -202,8 +191,7 @@ class ParamGroup:
         self._grad_accumulator = None
         self.register_sharded()
         self.free()
-        self.buffer = None
-        self.views = ()
+        self.slot = GatherSlot(self.layout, self.device, self._advise)
 
     # ------------------------------------------------------------------ unshard / reshard
 
@@ -232,32 +220,50 @@ class ParamGroup:
         now = self.sharded_version()
         if self.post_forward is not None and self._post_forward_version != now:
             self.post_forward = None
-        if self.pending is not None and self._pending_version != now:
+        slot = self.slot
+        if slot.pending is not None and slot.pending_version != now:
             self.discard_pending()
-        if self.is_unsharded and self._unsharded_version != now:
+        if slot.live and slot.version != now:
             self.free()
         return now
+
+    def new_slot(self) -> GatherSlot:
+        """A fresh unsharded copy of this group's layout (a functional call gathers into one)."""
+        return GatherSlot(self.layout, self.device, self._advise)
+
+    # The unsharded copy (one GatherSlot; read-only views of it for callers and tests).
+
+    @property
+    def buffer(self) -> torch.Tensor | None:
+        """The persistent unsharded buffer (storage freed while resharded)."""
+        return self.slot.buffer
+
+    @property
+    def views(self) -> tuple[torch.Tensor, ...]:
+        """The full parameters as views of :attr:`buffer`."""
+        return self.slot.views
+
+    @property
+    def pending(self) -> T.PendingUnshard | None:
+        """The all-gather in flight, if any."""
+        return self.slot.pending
+
+    @property
+    def is_unsharded(self) -> bool:
+        """Whether the buffer holds the full parameters now."""
+        return self.slot.live
 
     @traced("all_gather")
     def start_unshard(self, version: int | None = None) -> None:
         """Issue the all-gather (async) unless unsharded or already in flight. ``version``: the
         shards' version when the caller just dropped stale data (saves reading it again)."""
         now = self.drop_stale() if version is None else version
-        if self.is_unsharded or self.pending is not None:
-            return
-        self._pending_version = now
         if self.post_forward is not None and self.sub_comm is not None:
-            self._pending_version = self._post_forward_version
-            self.pending = T.begin_unshard(self.post_forward, self.sub_comm, async_op=True)
+            self.slot.start(self.post_forward, self.sub_comm, version=self._post_forward_version)
             return
-        into = None
-        if not self._keeps_gather_output():
-            # Gather straight into the unsharded buffer when the communicator can (no copy-out).
-            into = self._alloc_buffer()
-        with torch.no_grad(), _preserve_version(into):
-            self.pending = T.begin_unshard(
-                self._gather_source(), self.comm, async_op=True, into=into
-            )
+        self.slot.start(
+            self._gather_source(), self.comm, version=now, direct=not self._keeps_gather_output()
+        )
 
     def _keeps_gather_output(self) -> bool:
         raf = self.reshard_after_forward
@@ -272,64 +278,25 @@ class ParamGroup:
     def wait_unshard(self) -> None:
         """Finish the all-gather into the persistent buffer (issuing it first if needed)."""
         now = self.drop_stale()
-        if self.is_unsharded:
+        if self.slot.live:
             return
         self.start_unshard(now)
-        pending = self.pending
-        assert pending is not None
-        self.pending = None
-        pending.work.wait()
-        if pending.output is not None:
-            buf = self._alloc_buffer()
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-                T.copy_out(self.layout, pending.output, buf)
-            if self._keeps_gather_output():
-                self.gather_output = pending.output
+        self.slot.wait(keep_output=self._keeps_gather_output())
         self.post_forward = None
-        self._unsharded_version = self._pending_version
-        self.is_unsharded = True
-
-    def _alloc_buffer(self) -> torch.Tensor:
-        lay = self.layout
-        if self.buffer is None:
-            # A normal tensor even when first made under inference_mode: later training forwards
-            # save views of it for backward (and need its version counter).
-            with torch.inference_mode(False):
-                self.buffer = torch.empty(
-                    lay.world_size * lay.gather.total,
-                    dtype=lay.gather_buffer_dtype,
-                    device=self.device,
-                )
-                self.views = T.full_views(lay, self.buffer)
-            self._advise(self.buffer)
-        else:
-            storage = self.buffer.untyped_storage()
-            nbytes = self.buffer.numel() * self.buffer.element_size()
-            if storage.size() != nbytes:
-                storage.resize_(nbytes)
-                self._advise(self.buffer)
-        return self.buffer
 
     def free(self) -> None:
         """Free the unsharded buffer's storage (views saved by autograd stay valid objects)."""
-        if self.pending is not None and self.pending.into is not None:
-            # A gather in flight writes into this buffer: let it land before freeing.
-            self.pending.work.wait()
-            self.pending = None
-        if self.buffer is not None and self.buffer.untyped_storage().size() != 0:
-            self.buffer.untyped_storage().resize_(0)
-        self.is_unsharded = False
-        self.gather_output = None
+        self.slot.free()
 
     def reshard_after_forward_now(self, size: bool | int) -> None:
         """Reshard after forward: fully (``True``), to a sub-group (``int``) or not (``False``)."""
         if size is False:
             return
-        if size is not True and self.gather_output is not None:
+        if size is not True and self.slot.output is not None:
             self.post_forward = T.post_forward_from_gather(
-                self.layout, self.comm.rank, int(size), self.gather_output, self.state
+                self.layout, self.comm.rank, int(size), self.slot.output, self.state
             )
-            self._post_forward_version = self._unsharded_version
+            self._post_forward_version = self.slot.version
         self.free()
 
     @traced("reshard")
@@ -343,7 +310,7 @@ class ParamGroup:
 
     def owns_full(self, i: int, t: Any) -> bool:
         """Whether ``t`` is this group's own unsharded parameter ``i`` (a view or autograd output)."""
-        if not self.is_unsharded:
+        if not self.slot.live:
             return False
         return (bool(self.views) and t is self.views[i]) or (
             self.full_outputs is not None and t is self.full_outputs[i]
@@ -354,21 +321,16 @@ class ParamGroup:
         waiting (a peer may never complete them). Their buffers, the unsharded one included,
         stay referenced here so a late message never lands in freed or reused memory; the group
         gathers into a fresh buffer from now on."""
-        in_flight = [w for w in (self.pending, self.pending_reduce) if w is not None]
-        if in_flight:
-            self._abandoned.append((in_flight, self.buffer))
-            self.buffer, self.views = None, ()
-        self.pending = self.pending_reduce = None
-        self.is_unsharded = False
-        self.gather_output = None
+        kept = self.slot.abandon()
+        if self.pending_reduce is not None:
+            kept.append(self.pending_reduce)
+        if kept:
+            self._abandoned.append(kept)
+        self.pending_reduce = None
 
     def discard_pending(self) -> None:
         """Drop an all-gather that was prefetched but not used (it may now be stale)."""
-        if self.pending is not None:
-            self.pending.work.wait()
-            self.pending = None
-            if not self.is_unsharded:
-                self.free()
+        self.slot.discard()
 
     def unsharded_outputs(self) -> tuple[torch.Tensor, ...]:
         """Autograd-tracked full tensors for this forward (the backward reduces gradients)."""
@@ -465,7 +427,11 @@ class ParamGroup:
 
     @traced("post_backward_rs_wait")
     def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``."""
+        """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``.
+
+        ``.grad`` is the one place the module path keeps gradients (the cell's record holds
+        none): the core adds the reduced shards to it, in place (donated).
+        """
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is None:
             return
@@ -473,13 +439,8 @@ class ParamGroup:
         self.state = attrs.evolve(self.state, partial=new.partial)
         if new.grads is None:
             return
-        for i, p in enumerate(self.params):
-            g = new.local_grad(i)
-            if g is None:
-                continue
-            if self.offload and g.device != p.device:
-                g = g.to(p.device)
-            if p.grad is None:
-                p.grad = self._dtensor(g, i)
-            else:
-                p.grad._local_tensor.add_(g)  # type: ignore[attr-defined]
+        current = [None if p.grad is None else p.grad._local_tensor for p in self.params]  # type: ignore[attr-defined]
+        grads = T.accumulate_local_grads(new, current, donate=True)
+        for i, (p, g, prev) in enumerate(zip(self.params, grads, current)):
+            if g is not None and g is not prev:
+                p.grad = self.dtensor(g, i)

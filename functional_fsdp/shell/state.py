@@ -152,16 +152,16 @@ class FSDPState:
             g.training_state = TrainingState.FORWARD
             g.forward_done = 0
             g.wait_unshard()
-            for t in self._forward_prefetch_targets():
+            for t in self.forward_prefetch_targets():
                 t.group.start_unshard()  # type: ignore[union-attr]
             g.full_outputs = g.unsharded_outputs()
             g.register_full(g.full_outputs)
         else:
-            for t in self._forward_prefetch_targets():
+            for t in self.forward_prefetch_targets():
                 t.group.start_unshard()  # type: ignore[union-attr]
         return args, kwargs
 
-    def _forward_prefetch_targets(self) -> list[FSDPState]:
+    def forward_prefetch_targets(self) -> list[FSDPState]:
         if self.explicit_forward_prefetch is not None:
             return [s for s in self.explicit_forward_prefetch if s.group is not None]
         root = self.root
@@ -238,11 +238,11 @@ class FSDPState:
             g.wait_unshard()
             if g.full_outputs is not None:
                 g.register_full(g.full_outputs)
-        for t in self._backward_prefetch_targets():
+        for t in self.backward_prefetch_targets():
             if t.group is not None and not t.group.ran_post_backward:
                 t.group.start_unshard()
 
-    def _backward_prefetch_targets(self) -> list[FSDPState]:
+    def backward_prefetch_targets(self) -> list[FSDPState]:
         if self.explicit_backward_prefetch is not None:
             return self.explicit_backward_prefetch
         root = self.root
