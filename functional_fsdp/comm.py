@@ -19,13 +19,20 @@ protocol: that costs about 20 microseconds per collective on Python 3.11.) Every
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 
 from .errors import MeshError
 
-__all__ = ["Communicator", "DoneWork", "PiecesCommunicator", "Work", "check_comm"]
+__all__ = [
+    "Communicator",
+    "DoneWork",
+    "PiecesCommunicator",
+    "Work",
+    "check_comm",
+    "uses_pieces",
+]
 
 
 @runtime_checkable
@@ -92,7 +99,15 @@ class PiecesCommunicator(Communicator, Protocol):
 
     On gloo these are point-to-point messages straight between the parameters' storage and the
     unsharded buffer, with no packing copy; they move the bytes of the packed collectives.
+    They pay off for large groups only (a message per parameter costs more than one packing
+    copy for small ones): the core takes them for a group whose unsharded bytes
+    (:attr:`~functional_fsdp.records.GroupLayout.unsharded_bytes`) reach ``pieces_min_bytes``.
     """
+
+    @property
+    def pieces_min_bytes(self) -> int:
+        """Smallest group (unsharded bytes) worth the pieces collectives; 0: every group."""
+        ...
 
     def all_gather_pieces(
         self,
@@ -124,3 +139,14 @@ def check_comm(comm: Communicator, world_size: int, what: str) -> None:
             f"{what}: the communicator has {comm.world_size} ranks but the layout was built for "
             f"{world_size}; pass the shard group the state was sharded over"
         )
+
+
+def uses_pieces(comm: Communicator, unsharded_bytes: int) -> bool:
+    """Whether a group of ``unsharded_bytes`` takes the pieces collectives on ``comm``.
+
+    Rank-consistent (it reads only the communicator's declaration and the layout), so every
+    rank takes the same path and their messages pair.
+    """
+    if not comm.supports_pieces:
+        return False
+    return unsharded_bytes >= cast(PiecesCommunicator, comm).pieces_min_bytes

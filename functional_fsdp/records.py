@@ -152,6 +152,11 @@ class GroupLayout:
         """dtype of the all-gather buffers (``torch.uint8`` when dtypes are mixed)."""
         return self.gather_dtypes[0] if (self.specs and self.gather.uniform) else torch.uint8
 
+    @property
+    def unsharded_bytes(self) -> int:
+        """Bytes of the group's all-gather output (every rank's padded shards, gather dtypes)."""
+        return self.world_size * self.gather.total * self.gather_buffer_dtype.itemsize
+
     def grad_reduce_dtype(self) -> torch.dtype:
         """dtype gradients are reduced in: ``reduce_dtype`` or the uniform gather dtype."""
         if self.reduce_dtype is not None:

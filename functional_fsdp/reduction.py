@@ -17,7 +17,7 @@ import optree
 import torch
 
 from . import layout as L
-from .comm import Communicator, DoneWork, PiecesCommunicator, Work, check_comm
+from .comm import Communicator, DoneWork, PiecesCommunicator, Work, check_comm, uses_pieces
 from .errors import LayoutMismatchError, StateError
 from .records import GroupLayout, ShardedState
 
@@ -154,7 +154,7 @@ def begin_reduce(
     # happens to have): ranks on different paths would exchange mismatched messages.
     if (
         ws > 1
-        and comm.supports_pieces
+        and uses_pieces(comm, lay.unsharded_bytes)
         and all(d == 0 for d in lay.shard_dims)
         and factors.pre in (None, 1)
         and factors.premul is None

@@ -24,7 +24,7 @@ import optree
 import torch
 
 from . import layout as L
-from .comm import Communicator, DoneWork, PiecesCommunicator, Work, check_comm
+from .comm import Communicator, DoneWork, PiecesCommunicator, Work, check_comm, uses_pieces
 from .errors import LayoutMismatchError, MeshError, StateError
 from .records import (
     GroupLayout,
@@ -262,7 +262,7 @@ def begin_unshard(
         and isinstance(state, ShardedState)
         and lay.world_size > 1
         and _uniform_dim0(lay)
-        and comm.supports_pieces
+        and uses_pieces(comm, lay.unsharded_bytes)
     ):
         ws, pack = lay.world_size, lay.gather
         sends = [inp.narrow(0, o, n) for o, n in zip(pack.offsets, pack.sizes)]

@@ -75,6 +75,7 @@ class ProcessGroupComm:
         backend = str(dist.get_backend(self.group)).lower()
         self.backend = backend
         self._p2p = strategy == "p2p" or (strategy == "auto" and backend == "gloo")
+        self._pieces_min_bytes = int(os.environ.get("FFSDP_PIECES_MIN_BYTES", 1 << 20))
         self._sum_only = backend == "gloo"
         # Point-to-point calls of different collectives may be in flight together (a prefetch
         # all-gather beside a reduce-scatter): each call gets its own tag range. Every rank
@@ -100,6 +101,13 @@ class ProcessGroupComm:
     def supports_pieces(self) -> bool:
         """Whether the pieces collectives are native here (point-to-point on gloo)."""
         return self._p2p
+
+    @property
+    def pieces_min_bytes(self) -> int:
+        """Groups smaller than this (unsharded bytes) send one packed message per peer instead
+        of one per parameter: below about 1 MiB the per-message cost on gloo exceeds the
+        packing copy (``FFSDP_PIECES_MIN_BYTES`` overrides; 0 sends pieces for every group)."""
+        return self._pieces_min_bytes
 
     @classmethod
     def for_mesh(cls, mesh: Any, dim: int) -> ProcessGroupComm:

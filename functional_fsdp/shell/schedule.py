@@ -70,11 +70,13 @@ class ScopedComm:
     """
 
     supports_pieces: bool
+    pieces_min_bytes: int
 
     def __init__(self, base: ProcessGroupComm, key: int) -> None:
         self.base = base
         self.key = key
         self.supports_pieces = base.supports_pieces
+        self.pieces_min_bytes = base.pieces_min_bytes
 
     @property
     def rank(self) -> int:
