@@ -7,6 +7,8 @@ chunks of the MLP are uneven on purpose (hidden 86 -> 43 per TP rank -> 22 + 21 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -147,6 +149,10 @@ def build(which: str, mesh, *, recipe: str = "fp32", sp: bool = False) -> nn.Mod
         )
     if recipe == "raf_false":
         kw["reshard_after_forward"] = False
+    if recipe == "offload":
+        from torch.distributed.fsdp import CPUOffloadPolicy
+
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=False)
     if recipe == "ckpt":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             checkpoint_wrapper,
@@ -156,24 +162,27 @@ def build(which: str, mesh, *, recipe: str = "fp32", sp: bool = False) -> nn.Mod
     for b in model.blocks:
         fully_shard(b, **kw)
     fully_shard(model, **kw)
+    if recipe == "prefetch":
+        blocks = list(model.blocks)
+        for a, b in itertools.pairwise(blocks):
+            a.set_modules_to_forward_prefetch([b])
+            b.set_modules_to_backward_prefetch([a])
     if recipe == "meta":
         model.to_empty(device="cpu")
-        load_full(model, reference_model().state_dict())
+        # Initialise from the same model built on CPU (same placements: copy local shards).
+        src = dict(build(which, mesh, sp=sp).named_parameters())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.to_local().copy_(src[name].to_local())
     return model
 
 
-def load_full(model: nn.Module, full: dict[str, torch.Tensor]) -> None:
-    """Copy full tensors into the (2-D) sharded parameters with DTensor's own slicing."""
-    from torch.distributed.tensor import distribute_tensor
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            key = name.replace("_checkpoint_wrapped_module.", "")
-            p.copy_(distribute_tensor(full[key], p.device_mesh, p.placements))
-
-
 def dp_rank(mesh) -> int:
-    return mesh["dp"].get_local_rank()
+    """This rank's index among all data-parallel ranks (replicas x shards under HSDP)."""
+    r = mesh["dp"].get_local_rank()
+    if mesh.ndim == 3:
+        r += mesh["rep"].get_local_rank() * mesh["dp"].size()
+    return r
 
 
 def batch(step: int, rank: int, n: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,12 +197,22 @@ def optimizer(params, kind: str = "adamw") -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-2, foreach=False)
 
 
-def train(model: nn.Module, mesh, steps: int = STEPS, kind: str = "adamw") -> list[float]:
+def train(
+    model: nn.Module, mesh, steps: int = STEPS, kind: str = "adamw", accumulate: bool = False
+) -> list[float]:
+    """Train ``steps`` steps; with ``accumulate`` each step is two micro-batches of one
+    sample, the first without gradient sync."""
     opt = optimizer(model.parameters(), kind)
     losses = []
     for s in range(steps):
         x, y = batch(s, dp_rank(mesh))
-        loss = model.loss(x, y)
+        if accumulate:
+            model.set_requires_gradient_sync(False)
+            (model.loss(x[:1], y[:1]) / 2).backward()
+            model.set_requires_gradient_sync(True)
+            loss = model.loss(x[1:], y[1:]) / 2
+        else:
+            loss = model.loss(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -76,6 +76,7 @@ class TensorParallelPlan:
         self.params = tuple(params)
         self.hsdp = hsdp
         self._wrapped: tuple[Any, ...] = ()
+        self._wrapped_from: tuple[Any, ...] = ()
         self._spec_cache: dict[tuple[int, torch.dtype], DTensorSpec] = {}
         self._global_shapes: list[tuple[int, ...]] = []
 
@@ -111,7 +112,16 @@ class TensorParallelPlan:
 
     def wrap_full(self, tensors: Sequence[torch.Tensor]) -> list[Any]:
         """The module-facing parameters: each TP parameter's full TP-local tensor as a
-        ``DTensor`` with its TP spec (differentiably); plain parameters unchanged."""
+        ``DTensor`` with its TP spec (differentiably); plain parameters unchanged.
+
+        The same tensors get the same wrappers back: the pre-backward hook and an activation
+        checkpoint's recompute re-register the forward's outputs and must see the forward's
+        ``DTensor`` s (made with grad enabled), not new ones made inside backward.
+        """
+        if len(tensors) == len(self._wrapped_from) and all(
+            a is b for a, b in zip(tensors, self._wrapped_from)
+        ):
+            return list(self._wrapped)
         out: list[Any] = []
         for i, (t, info) in enumerate(zip(tensors, self.params)):
             if info is None or isinstance(t, DTensor):
@@ -119,6 +129,7 @@ class TensorParallelPlan:
                 continue
             out.append(WrapFullFn.apply(t, self._unsharded_spec(i, t), info.dp_dims))
         self._wrapped = tuple(out)
+        self._wrapped_from = tuple(tensors)
         return out
 
     def owns(self, i: int, t: Any) -> bool:
