@@ -125,3 +125,63 @@ def test_composes_like_fsdp2(world, name):
     assert all(x["placements_equal"] for x in res), r["placements"]
     assert max(abs(a - b) for a, b in zip(r["torch"], r["ours"])) <= 1e-5, r
     assert r["vs_torch"] <= 1e-5, r
+
+
+class _SPMDMLP(torch.nn.Module):
+    """Parameters are DTensors on the full (dp, tp) mesh, Replicate() on dp (FSDP2's
+    ``dp_mesh_dims`` form): colwise w1, rowwise w2, batch sharded over dp."""
+
+    def __init__(self, mesh) -> None:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        super().__init__()
+        torch.manual_seed(0)
+        w1, w2 = torch.randn(16, 8), torch.randn(8, 16)
+        self.w1 = torch.nn.Parameter(distribute_tensor(w1, mesh, [Replicate(), Shard(0)]))
+        self.w2 = torch.nn.Parameter(distribute_tensor(w2, mesh, [Replicate(), Shard(1)]))
+
+    def forward(self, x):
+        return torch.relu(x @ self.w1.t()) @ self.w2.t()
+
+
+def case_dp_mesh_dims() -> dict:
+    """``fully_shard(model, mesh=world, dp_mesh_dims=DataParallelMeshDims(shard="dp"))``:
+    ours vs FSDP2, same placements, same parameters after 3 SGD steps."""
+    from torch.distributed.fsdp import DataParallelMeshDims
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from functional_fsdp import fully_shard
+
+    mesh = world_mesh()
+    dims = DataParallelMeshDims(shard="dp")
+    out = {}
+    for which, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
+        model = _SPMDMLP(mesh)
+        fs(model, mesh=mesh, dp_mesh_dims=dims)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for s in range(3):
+            g = torch.Generator().manual_seed(s * 10 + mesh["dp"].get_local_rank())
+            x = DTensor.from_local(torch.randn(4, 8, generator=g), mesh, [Shard(0), Replicate()])
+            loss = model(x).pow(2).mean().full_tensor()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[which] = (losses, full_params(model), _placements(model))
+    return {
+        "losses": (out["torch"][0], out["ours"][0]),
+        "vs_torch": max_abs(out["torch"][1], out["ours"][1]),
+        "placements_equal": out["torch"][2] == out["ours"][2],
+        "placements": out["ours"][2],
+    }
+
+
+def test_dp_mesh_dims_like_fsdp2(world):
+    res = world.run(case_dp_mesh_dims)
+    r = res[0]
+    print(r)
+    assert all(x["placements_equal"] for x in res), r["placements"]
+    assert max(abs(a - b) for a, b in zip(*r["losses"])) <= 1e-5, r
+    assert r["vs_torch"] <= 1e-5, r
