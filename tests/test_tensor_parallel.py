@@ -13,6 +13,7 @@ import pytest
 import torch
 from _dist import World
 from _tp_helpers import (
+    batch,
     build,
     full_params,
     max_abs,
@@ -185,3 +186,38 @@ def test_dp_mesh_dims_like_fsdp2(world):
     assert all(x["placements_equal"] for x in res), r["placements"]
     assert max(abs(a - b) for a, b in zip(*r["losses"])) <= 1e-5, r
     assert r["vs_torch"] <= 1e-5, r
+
+
+def case_summon_2d() -> dict:
+    """summon_full_params on 2-D: global tensors in, edits (and grads) written back."""
+    from functional_fsdp import summon_full_params
+
+    mesh = world_mesh()
+    model = build("ours", mesh)
+    train(model, mesh, steps=1)
+    x, y = batch(9, mesh["dp"].get_local_rank())
+    model.loss(x, y).backward()
+    before = full_params(model)
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    ok_in, ok_grad = True, True
+    with summon_full_params(model, with_grads=True):
+        for n, p in model.named_parameters():
+            ok_in &= type(p.data) is torch.Tensor and torch.equal(p.detach(), before[n])
+            ok_grad &= n not in grads or torch.equal(p.grad, grads[n])
+            with torch.no_grad():
+                p.mul_(2)
+                if p.grad is not None:
+                    p.grad.add_(1)
+    after = full_params(model)
+    ok_back = all(torch.equal(after[n], 2 * before[n]) for n in before)
+    ok_grad_back = all(
+        torch.equal(p.grad.full_tensor(), grads[n] + 1)
+        for n, p in model.named_parameters()
+        if n in grads
+    )
+    return {"in": ok_in, "grad": ok_grad, "back": ok_back, "grad_back": ok_grad_back}
+
+
+def test_summon_full_params_on_2d(world):
+    res = world.run(case_summon_2d)
+    assert all(all(r.values()) for r in res), res

@@ -132,6 +132,35 @@ class TensorParallelPlan:
         self._wrapped_from = tuple(tensors)
         return out
 
+    def to_global(self, i: int, spec: ParamSpec, full_local: torch.Tensor) -> torch.Tensor:
+        """Parameter ``i``'s global tensor from its dp-unsharded TP-local one (an all-gather
+        over the TP ranks; ``summon_full_params``). Plain parameters pass through."""
+        info = self.params[i]
+        if info is None:
+            return full_local
+        return TP.gather_global(full_local, spec, self._tp_comm(info, spec), info.tp_sizes)
+
+    def to_local(self, i: int, spec: ParamSpec, full: torch.Tensor) -> torch.Tensor:
+        """This rank's TP-local block of parameter ``i``'s global tensor (no communication)."""
+        info = self.params[i]
+        if info is None:
+            return full
+        coords = info.unsharded_mesh.get_coordinate()
+        assert coords is not None
+        tp_coords = tuple(coords[d] for d in info.tp_dims)
+        return TP.local_from_global(full, spec, info.tp_sizes, tp_coords)
+
+    @staticmethod
+    def _tp_comm(info: _TPParam, spec: ParamSpec) -> Any:
+        if len(info.tp_dims) != 1:
+            raise UnsupportedError(
+                f"gathering the global tensor of {spec.fqn!r} over a {len(info.tp_dims)}-D TP "
+                "mesh is not supported yet (1-D TP only); use DCP or p.full_tensor() instead"
+            )
+        from .comm import ProcessGroupComm
+
+        return ProcessGroupComm.for_mesh(info.unsharded_mesh, info.tp_dims[0])
+
     def owns(self, i: int, t: Any) -> bool:
         """Whether ``t`` is the wrapper :meth:`wrap_full` last made for parameter ``i``."""
         return i < len(self._wrapped) and t is self._wrapped[i]
