@@ -12,6 +12,7 @@ __all__ = [
     "CheckpointPathError",
     "DonatedStateError",
     "FSDPError",
+    "IncompatibleMeshError",
     "IndivisibleError",
     "LayoutMismatchError",
     "MeshError",
@@ -20,8 +21,10 @@ __all__ = [
     "ScalarParameterError",
     "StateError",
     "TiedParameterError",
+    "TiedPlacementError",
     "UncheckedCheckpointWarning",
     "UnsupportedError",
+    "UnsupportedPlacementError",
 ]
 
 
@@ -84,12 +87,29 @@ class TiedParameterError(FSDPError, ValueError):
     """One parameter is managed by two FSDP groups."""
 
 
+class IncompatibleMeshError(MeshError):
+    """A tensor-parallel ``DTensor`` parameter lives on a mesh that does not compose with the
+    data-parallel mesh given to ``fully_shard`` (the dims overlap, the meshes come from
+    different parents, or this rank's dp and TP groups do not meet in exactly this rank)."""
+
+
+class TiedPlacementError(TiedParameterError):
+    """Two parameters share storage (tied weights) but carry different tensor-parallel
+    placements: sharding them would silently untie them."""
+
+
 class DonatedStateError(StateError):
     """A state passed to a step with ``donate=True`` was used again (its buffers were consumed)."""
 
 
 class UnsupportedError(FSDPError, NotImplementedError):
     """A feature that this code path does not support (the message names the alternative)."""
+
+
+class UnsupportedPlacementError(UnsupportedError, ValueError):
+    """A tensor-parallel placement FSDP cannot compose with (``Partial``, a strided shard, a
+    shard dim out of range); the message lists the supported ones. ``NotImplementedError`` as
+    FSDP2 raises for TP layouts it does not support, and ``ValueError``."""
 
 
 class CheckpointPathError(FSDPError, ValueError):

@@ -132,6 +132,7 @@ def _copy_group(g: ParamGroup, memo: dict[Any, Any]) -> ParamGroup:
         mp_policy=g.mp_policy,
         offload_policy=offload,
         name=g.name,
+        tp=g.tp,
     )
     for flag in _GROUP_FLAGS:
         setattr(new, flag, getattr(g, flag))

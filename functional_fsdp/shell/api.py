@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,12 @@ from .comm import ProcessGroupComm
 from .group import ParamGroup, TrainingState, layout_for
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
 from .state import FSDPState, hooks_for
+from .tensor_parallel import (
+    TensorParallelPlan,
+    plan_tensor_parallel,
+    resolve_dp_mesh_dims,
+    tp_spec,
+)
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -57,7 +63,15 @@ def fully_shard(
         mp_policy: a :class:`~functional_fsdp.MixedPrecisionPolicy` (or torch's).
         offload_policy: :class:`~functional_fsdp.OffloadPolicy` / ``CPUOffloadPolicy`` (or torch's).
         ignored_params: parameters left unsharded and unmanaged.
-        dp_mesh_dims: accepted for signature compatibility; only ``None`` is supported.
+        dp_mesh_dims: FSDP2's SPMD form (``DataParallelMeshDims(shard=..., replicate=...)``):
+            ``mesh`` is then the full mesh and every parameter a ``DTensor`` on it with
+            ``Replicate()`` on the named data-parallel dims (which must lead the mesh).
+
+    With tensor parallelism, parameters that are already ``DTensor`` s on a TP mesh (from
+    ``parallelize_module(model, world["tp"], plan)``) are sharded over ``mesh=world["dp"]``
+    from their TP-local tensors: they become ``DTensor`` s on the full mesh with FSDP2's
+    placements (``(Shard(0), <tp>)``, ``_StridedShard`` when TP also shards dim 0, and
+    ``(Replicate(), Shard(0), <tp>)`` for HSDP); during forward the module sees TP ``DTensor`` s.
 
     Returns:
         The same module (now an :class:`FSDPModule`).
@@ -67,11 +81,37 @@ def fully_shard(
         ...     fully_shard(block)
         >>> fully_shard(model)  # doctest: +SKIP
     """
-    if dp_mesh_dims is not None:
-        raise NotImplementedError(
-            "fully_shard(dp_mesh_dims=...) is not supported by functional_fsdp yet; pass a 1-D "
-            "data-parallel mesh, or a 2-D (replicate, shard) mesh for HSDP"
+    modules = _modules(module)
+    explain_forward_ad_on_dtensor()
+    mp = MixedPrecisionPolicy.coerce(mp_policy)
+    offload = OffloadPolicy.coerce(offload_policy)
+    spmd_mesh, dp_names = None, cast(tuple[str, ...], ())
+    if dp_mesh_dims is not None:  # FSDP2's SPMD form: the full mesh plus the names of dp dims
+        spmd_mesh = mesh
+        mesh, dp_names = resolve_dp_mesh_dims(mesh, dp_mesh_dims)
+    mesh = _resolve_mesh(mesh, modules)
+    shard_size = mesh.size(-1)
+    raf = _validate_reshard(reshard_after_forward, shard_size)
+    ignored = set(ignored_params or ())
+    name = type(modules[0]).__name__
+
+    params, holders, fqns = _collect_params(modules, ignored, name)
+    group = None
+    if params:
+        tp = plan_tensor_parallel(
+            params, fqns, mesh, spmd_mesh=spmd_mesh, dp_names=dp_names, raf=raf, name=name
         )
+        group = _build_group(
+            params, holders, fqns, mesh, raf, shard_placement_fn, mp, offload, name, tp
+        )
+        for p in params:
+            setattr(p, _OWNER_ATTR, name)
+    _attach(modules, group, mp, name, reshard_after_forward, raf)
+    return module
+
+
+def _modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """The modules of one ``fully_shard`` call, checked (containers without forward refused)."""
     modules = list(module) if isinstance(module, (list, tuple)) else [module]
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError("fully_shard expects an nn.Module or a non-empty list of nn.Modules")
@@ -83,25 +123,7 @@ def fully_shard(
                 "fully_shard on each child (for block in model.layers: fully_shard(block)) and on "
                 "the module whose forward runs them"
             )
-    explain_forward_ad_on_dtensor()
-    mp = MixedPrecisionPolicy.coerce(mp_policy)
-    offload = OffloadPolicy.coerce(offload_policy)
-    mesh = _resolve_mesh(mesh, modules)
-    shard_size = mesh.size(-1)
-    raf = _validate_reshard(reshard_after_forward, shard_size)
-    ignored = set(ignored_params or ())
-    name = type(modules[0]).__name__
-
-    params, holders, fqns = _collect_params(modules, ignored, name)
-    group = None
-    if params:
-        group = _build_group(
-            params, holders, fqns, mesh, raf, shard_placement_fn, mp, offload, name
-        )
-        for p in params:
-            setattr(p, _OWNER_ATTR, name)
-    _attach(modules, group, mp, name, reshard_after_forward, raf)
-    return module
+    return modules
 
 
 def _attach(
@@ -235,29 +257,14 @@ def _build_group(
     mp: MixedPrecisionPolicy,
     offload: OffloadPolicy,
     name: str,
+    tp: TensorParallelPlan | None = None,
 ) -> ParamGroup:
     shard_size = mesh.size(-1)
     rank = mesh.get_local_rank(-1) if mesh.ndim == 2 else mesh.get_local_rank()
-    specs = []
-    for p in params:
-        if isinstance(p, DTensor):
-            raise MeshError(
-                f"parameter {fqns[id(p)]!r} is already a DTensor (tensor parallel?); 2-D FSDP+TP "
-                "is not supported yet: fully_shard plain-tensor parameters"
-            )
-        dim = 0
-        if shard_placement_fn is not None:
-            placement = shard_placement_fn(p)
-            if placement is not None:
-                if not isinstance(placement, Shard):
-                    raise PolicyError(
-                        f"shard_placement_fn must return Shard(i) or None, got {placement!r}"
-                    )
-                dim = placement.dim
-        specs.append(ParamSpec(fqns[id(p)], tuple(p.shape), p.dtype, p.requires_grad, dim))
+    specs = _param_specs(params, fqns, shard_placement_fn, tp)
     layout = layout_for(specs, shard_size, mp)
     device = _compute_device(mesh)
-    src = [p.detach() for p in params]
+    src = [(p._local_tensor if isinstance(p, DTensor) else p).detach() for p in params]
     if not any(t.is_meta for t in src):
         src = [t if t.device == device else t.to(device) for t in src]
     state = shard_tensors(src, layout, rank)
@@ -295,7 +302,32 @@ def _build_group(
         mp_policy=mp,
         offload_policy=offload,
         name=name,
+        tp=tp,
     )
+
+
+def _param_specs(
+    params: list[nn.Parameter],
+    fqns: dict[int, str],
+    shard_placement_fn: Callable | None,
+    tp: TensorParallelPlan | None,
+) -> list[ParamSpec]:
+    """Each parameter's spec: its shard dim (``shard_placement_fn``) and, for a TP ``DTensor``,
+    its TP-local shape, global shape and TP placements."""
+    specs = []
+    for i, p in enumerate(params):
+        dim = 0
+        if shard_placement_fn is not None:
+            placement = shard_placement_fn(p)
+            if placement is not None:
+                if not isinstance(placement, Shard):
+                    raise PolicyError(
+                        f"shard_placement_fn must return Shard(i) or None, got {placement!r}"
+                    )
+                dim = placement.dim
+        info = tp.params[i] if tp is not None else None
+        specs.append(tp_spec(info, p, fqns[id(p)], dim))
+    return specs
 
 
 def _compute_device(mesh: DeviceMesh) -> torch.device:

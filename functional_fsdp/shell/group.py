@@ -52,6 +52,7 @@ class ParamGroup:
         device: the compute device.
         mp_policy: mixed-precision policy.
         offload_policy: offload policy.
+        tp: the :class:`~.tensor_parallel.TensorParallelPlan` of 2-D FSDP + TP, or ``None``.
     """
 
     def __init__(
@@ -69,8 +70,10 @@ class ParamGroup:
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
         name: str,
+        tp: Any = None,
     ) -> None:
         self.layout = layout
+        self.tp = tp  # a TensorParallelPlan when parameters are TP DTensors (2-D), else None
         self.state = state
         self.holders = holders
         self.mesh = mesh
@@ -141,6 +144,10 @@ class ParamGroup:
             )
             for s, pl in zip(layout.specs, self.placements)
         ]
+        if self.tp is not None:  # TP parameters: DTensors on the full (dp, tp) mesh
+            self._placements, self._specs = self.tp.sharded_specs(
+                layout, self._placements, self._specs
+            )
 
     # ------------------------------------------------------------------ registration
 
@@ -156,6 +163,8 @@ class ParamGroup:
 
     def register_full(self, tensors: Sequence[torch.Tensor]) -> None:
         """Put full tensors (autograd outputs of the unshard) on every holding module."""
+        if self.tp is not None:  # the module sees TP DTensors of the TP-local full tensors
+            tensors = self.tp.wrap_full(tensors)
         for t, holders in zip(tensors, self.holders):
             for m, n in holders:
                 m._parameters[n] = t  # type: ignore[assignment]
@@ -312,8 +321,10 @@ class ParamGroup:
         """Whether ``t`` is this group's own unsharded parameter ``i`` (a view or autograd output)."""
         if not self.slot.live:
             return False
-        return (bool(self.views) and t is self.views[i]) or (
-            self.full_outputs is not None and t is self.full_outputs[i]
+        return (
+            (bool(self.views) and t is self.views[i])
+            or (self.full_outputs is not None and t is self.full_outputs[i])
+            or (self.tp is not None and self.tp.owns(i, t))
         )
 
     def abandon_in_flight(self) -> None:

@@ -228,6 +228,10 @@ def _check_can_summon(
             )
 
 
+def _full_shape(spec: Any) -> tuple[int, ...]:
+    return spec.global_shape if spec.global_shape is not None else spec.shape
+
+
 def _local_of(t: Any) -> torch.Tensor:
     return t.to_local()
 
@@ -279,12 +283,21 @@ class _Summoned:
         g.training_state = TrainingState.SUMMON_FULL_PARAMS
         self.opened = True
         source = self._source()
-        unsharded = T.unshard(source, g.comm)
+        params: Sequence[torch.Tensor] = T.unshard(source, g.comm).params
         grads = self._gather_grads(source) if self.with_grads else None
+        if g.tp is not None:  # 2-D: the global tensors (TP all-gather of the TP-local ones)
+            params = [
+                g.tp.to_global(i, s, t) for i, (s, t) in enumerate(zip(g.layout.specs, params))
+            ]
+            if grads is not None:
+                grads = [
+                    None if t is None else g.tp.to_global(i, s, t)
+                    for i, (s, t) in enumerate(zip(g.layout.specs, grads))
+                ]
         if not self.materialise:
             return
         fulls = []
-        for i, (t, p) in enumerate(zip(unsharded.params, g.params)):
+        for i, (t, p) in enumerate(zip(params, g.params)):
             if self.offload_to_cpu:
                 t = t.cpu()
             full = nn.Parameter(t, requires_grad=p.requires_grad)
@@ -292,7 +305,12 @@ class _Summoned:
                 full.grad = grads[i]
             fulls.append(full)
         self.fulls = fulls
-        g.register_full(fulls)
+        if g.tp is None:
+            g.register_full(fulls)
+        else:  # plain global tensors, not the TP DTensors of a forward
+            for t, holders in zip(fulls, g.holders):
+                for m, n in holders:
+                    m._parameters[n] = t
 
     def _gather_grads(self, source: ShardedState) -> list[torch.Tensor | None]:
         """All-gather the sharded gradients; ``None`` where no rank has one (FSDP1's rule)."""
@@ -338,11 +356,11 @@ class _Summoned:
             t = mod._parameters.get(name)
             if t is None:
                 t = full
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != spec.shape:
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != _full_shape(spec):
                 shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise StateError(
                     f"summon_full_params: {spec.fqn!r} of {g.name!r} was replaced by {shape} inside "
-                    f"the context, but it must keep its full shape {spec.shape} to be written back; "
+                    f"the context, but it must keep its full shape {_full_shape(spec)} to be written back; "
                     "edit it in place or assign a tensor of the same shape (nothing was written back)"
                 )
             out.append(t)
@@ -351,7 +369,10 @@ class _Summoned:
     def _commit(self, current: Sequence[torch.Tensor]) -> None:
         g, lay = self.group, self.layout
         fp_state = attrs.evolve(g.state, layout=lay)
-        params = tuple(t.detach().to(s.dtype) for t, s in zip(current, lay.specs))
+        params = tuple(
+            self._tp_local(i, t.detach().to(s.dtype))
+            for i, (t, s) in enumerate(zip(current, lay.specs))
+        )
         new = T.writeback(UnshardedState(lay, fp_state.rank, params), fp_state)
         grads = self._sharded_grads(current, fp_state) if self.with_grads else None
         with torch.no_grad():
@@ -370,13 +391,18 @@ class _Summoned:
         lay = self.layout
         full = [t.grad for t in current]
         filled = tuple(
-            gr.detach().to(s.dtype)
+            self._tp_local(i, gr.detach().to(s.dtype))
             if gr is not None
             else torch.zeros(s.shape, dtype=s.dtype, device=t.device)
-            for gr, s, t in zip(full, lay.specs, current)
+            for i, (gr, s, t) in enumerate(zip(full, lay.specs, current))
         )
         sharded = T.writeback(UnshardedState(lay, fp_state.rank, filled), fp_state)
         return [sharded.local(i) if gr is not None else None for i, gr in enumerate(full)]
+
+    def _tp_local(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        """2-D: this rank's TP-local block of a global tensor (what the dp shards hold)."""
+        tp = self.group.tp
+        return full if tp is None else tp.to_local(i, self.layout.specs[i], full).contiguous()
 
     def _set_grads(self, grads: Sequence[torch.Tensor | None]) -> None:
         for p, local in zip(self.group.params, grads):
