@@ -413,11 +413,12 @@ def _deferred_results(pending: T.PendingReduce) -> list[torch.Tensor | None]:
 def _local(group: ParamGroup, t: torch.Tensor, i: int) -> torch.Tensor:
     spec = group.layout.specs[i]
     if isinstance(t, DTensor):
-        if tuple(t.placements) != tuple(group.placements[i]) or t.device_mesh != group.mesh:
+        mesh = group.sharded_spec(i).mesh
+        if tuple(t.placements) != tuple(group.placements[i]) or t.device_mesh != mesh:
             raise ValueError(
                 f"functional_call on a sharded module: the tensor for {spec.fqn!r} of {group.name} has placements "
                 f"{tuple(t.placements)} on {t.device_mesh}; it must have the placement of the "
-                f"module's own parameter, {tuple(group.placements[i])} on {group.mesh}"
+                f"module's own parameter, {tuple(group.placements[i])} on {mesh}"
             )
         return t._local_tensor
     raise TypeError(

@@ -145,11 +145,15 @@ class ParamGroup:
             for s, pl in zip(layout.specs, self.placements)
         ]
         if self.tp is not None:  # TP parameters: DTensors on the full (dp, tp) mesh
-            self._placements, self._specs = self.tp.sharded_specs(
-                layout, self._placements, self._specs
+            self.placements, self._specs = self.tp.sharded_specs(
+                layout, self.placements, self._specs
             )
 
     # ------------------------------------------------------------------ registration
+
+    def sharded_spec(self, i: int) -> DTensorSpec:
+        """Parameter ``i``'s sharded ``DTensor`` spec (mesh, placements, global shape)."""
+        return self._specs[i]
 
     def dtensor(self, local: torch.Tensor, i: int) -> DTensor:
         """Parameter ``i``'s local shard (or sharded gradient) as a ``DTensor`` on the mesh."""
