@@ -26,10 +26,13 @@ What we add:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pathlib
 import pickle
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,20 +117,29 @@ def _same_sharding(new: torch.Tensor, ref: Any) -> bool:
 
 
 def _local_for(new: torch.Tensor, ref: Any, group: ParamGroup, i: int) -> torch.Tensor:
+    """This rank's shard of parameter ``i`` from ``new`` (a global tensor or any ``DTensor``).
+
+    Under 2-D FSDP + TP the shapes compared are global (``ParamSpec.global_shape``); a plain
+    global tensor is first cut to this rank's TP-local block, then to its dp slice.
+    """
     spec = group.layout.specs[i]
-    if tuple(new.shape) != spec.shape:
+    shape = spec.global_shape or spec.shape
+    if tuple(new.shape) != shape:
         raise LayoutMismatchError(
             f"load_state_dict(assign=True): {spec.fqn!r} has shape {tuple(new.shape)} but the sharded "
-            f"module expects the full shape {spec.shape}; load a state dict of the same model"
+            f"module expects the full shape {shape}; load a state dict of the same model"
         )
     with torch.no_grad():
         if isinstance(new, DTensor):
             return (
                 new.redistribute(ref.device_mesh, ref.placements).to_local().detach().to(ref.dtype)
             )
+        full = new.detach()
+        if group.tp is not None:
+            full = group.tp.to_local(i, spec, full)
         start, length = group.layout.extent(i, group.state.rank)
         dim = group.layout.shard_dims[i]
-        return new.detach().narrow(dim, start, length).to(ref.dtype).clone()
+        return full.narrow(dim, start, length).to(ref.dtype).clone()
 
 
 # ------------------------------------------------------------------------------- entry points
@@ -139,6 +151,23 @@ def _reraise_named(e: CheckpointException) -> None:
     for _rank, (exc, _tb) in sorted(e.failures.items()):
         if isinstance(exc, (FSDPError, pickle.UnpicklingError)):
             raise exc from e
+
+
+def _single_process() -> bool:
+    """No process group: save or load in this process alone (e.g. a plain model reading a
+    sharded checkpoint)."""
+    return not (dist.is_available() and dist.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    """Without a process group DCP warns that it assumes a single process; that is the
+    documented meaning of calling ours without one, so the warning is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is (disabled, )?unavailable", category=UserWarning
+        )
+        yield
 
 
 def _require_numpy() -> None:
@@ -167,7 +196,8 @@ def save_checkpoint(
         state_dict: e.g. ``{"model": msd, "optim": osd}`` from
             ``torch.distributed.checkpoint.state_dict.get_state_dict(model, optimizer)``.
         checkpoint_id: the checkpoint directory (created if missing).
-        process_group: the group that saves (default: the world).
+        process_group: the group that saves (default: the world; without an initialised
+            process group, this process alone, e.g. a plain model's state dict).
 
     Raises:
         MissingDependencyError: numpy is not importable (checked before any collective).
@@ -178,11 +208,13 @@ def save_checkpoint(
     """
     _require_numpy()
     try:
-        dcp.save(
-            state_dict,
-            storage_writer=ChecksummingFileSystemWriter(pathlib.Path(checkpoint_id)),
-            process_group=process_group,
-        )
+        with _quiet_single_process():
+            dcp.save(
+                state_dict,
+                storage_writer=ChecksummingFileSystemWriter(pathlib.Path(checkpoint_id)),
+                process_group=process_group,
+                no_dist=_single_process(),
+            )
     except CheckpointException as e:
         _reraise_named(e)
         raise
@@ -203,7 +235,8 @@ def load_checkpoint(
             (freshly sharded) model; loaded in place, then apply it with ``set_state_dict``.
         checkpoint_id: the checkpoint directory written by :func:`save_checkpoint` (or by plain
             ``dcp.save``: then it loads unverified, with an ``UncheckedCheckpointWarning``).
-        process_group: the group that loads (default: the world).
+        process_group: the group that loads (default: the world; without an initialised
+            process group, this process alone: a plain model reads any sharded checkpoint).
 
     Raises:
         CheckpointPathError: the metadata names a storage file outside the directory (nothing
@@ -221,12 +254,14 @@ def load_checkpoint(
     """
     reader = SafeFileSystemReader(pathlib.Path(checkpoint_id))
     try:
-        dcp.load(
-            state_dict,
-            storage_reader=reader,
-            planner=SafeLoadPlanner(),
-            process_group=process_group,
-        )
+        with _quiet_single_process():
+            dcp.load(
+                state_dict,
+                storage_reader=reader,
+                planner=SafeLoadPlanner(),
+                process_group=process_group,
+                no_dist=_single_process(),
+            )
     except CheckpointException as e:
         if reader.refusal is not None:
             raise reader.refusal from e
