@@ -7,6 +7,7 @@ the advice is missing, covers the wrong range, or rounds a buffer up (not only o
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -44,9 +45,13 @@ def _advised(lo: int, hi: int) -> list[tuple[int, int]]:
 
 def _mapped(nbytes: int, offset: int = 3 * _PAGE) -> tuple[mmap.mmap, torch.Tensor]:
     """A byte tensor on its own fresh mapping (a shared mapping never merges with a neighbour),
-    starting ``offset`` bytes in so the storage is not 2 MiB-aligned."""
-    m = mmap.mmap(-1, nbytes + offset)
-    return m, torch.frombuffer(m, dtype=torch.uint8, offset=offset)
+    starting at least ``offset`` bytes in, at a page where neither end of the storage is
+    2 MiB-aligned (where the kernel places the mapping is not ours to choose)."""
+    m = mmap.mmap(-1, nbytes + offset + 8 * _PAGE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    while (base + offset) % _HUGE == 0 or (base + offset + nbytes) % _HUGE == 0:
+        offset += _PAGE
+    return m, torch.frombuffer(m, dtype=torch.uint8, offset=offset, count=nbytes)
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

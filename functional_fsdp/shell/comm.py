@@ -334,7 +334,13 @@ class ProcessGroupComm:
         return self._world_size
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, key: int = 0
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        async_op: bool = False,
+        key: int = 0,
+        kind: int = 3,
     ) -> Work:
         """Rank-major all-gather of 1-D ``input`` into ``output``."""
         if self._world_size == 1:
@@ -347,7 +353,7 @@ class ProcessGroupComm:
         # carry the schedule check).
         chunks = output.chunk(self._world_size)
         return self.all_gather_pieces(
-            [[c] for c in chunks], [input], async_op=async_op, key=key, kind=3
+            [[c] for c in chunks], [input], async_op=async_op, key=key, kind=kind
         )
 
     def reduce_scatter(
@@ -358,6 +364,7 @@ class ProcessGroupComm:
         op: str = "sum",
         async_op: bool = False,
         key: int = 0,
+        kind: int = 4,
     ) -> Work:
         """Reduce 1-D ``input`` (``ws * n``) over ranks; this rank keeps chunk ``rank``."""
         ws = self._world_size
@@ -375,7 +382,9 @@ class ProcessGroupComm:
             chunks = input.view(ws, -1)
             outs = [output.view(-1)]
             ins = [[chunks[r]] for r in range(ws)]
-            return self.reduce_scatter_pieces(outs, ins, op=op, async_op=async_op, key=key, kind=4)
+            return self.reduce_scatter_pieces(
+                outs, ins, op=op, async_op=async_op, key=key, kind=kind
+            )
         received = input.clone()
         works = [dist.all_reduce(received, group=self.group, async_op=True)]
 

@@ -121,6 +121,10 @@ class ParamGroup:
         self.force_sum = False
         self.reduce_unused = False
 
+    def summon_comm(self) -> Communicator:
+        """The shard group's communicator for ``summon_full_params`` (tags of their own)."""
+        return self.comm.for_summon() if isinstance(self.comm, ScopedComm) else self.comm
+
     def base_comms(self) -> list[ProcessGroupComm]:
         """The shared process-group communicators this group's collectives run on."""
         out = []

@@ -67,16 +67,25 @@ class ScopedComm:
     Attributes:
         base: the shared communicator.
         key: the group's key (``fully_shard`` order).
+        kinds: offset added to each collective's kind in the tag (0: training; see
+            :meth:`for_summon`), so collectives issued for different purposes never pair.
     """
 
     supports_pieces: bool
     pieces_min_bytes: int
 
-    def __init__(self, base: ProcessGroupComm, key: int) -> None:
+    def __init__(self, base: ProcessGroupComm, key: int, *, kinds: int = 0) -> None:
         self.base = base
         self.key = key
+        self.kinds = kinds
         self.supports_pieces = base.supports_pieces
         self.pieces_min_bytes = base.pieces_min_bytes
+
+    def for_summon(self) -> ScopedComm:
+        """The same group's communicator for ``summon_full_params``: its tags differ from the
+        training collectives', so a summon on one rank never pairs with a forward's all-gather
+        on another (same sizes, same group) and silently swaps their data."""
+        return ScopedComm(self.base, self.key, kinds=4)
 
     @property
     def rank(self) -> int:
@@ -92,13 +101,17 @@ class ScopedComm:
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
     ) -> Work:
         """See :meth:`ProcessGroupComm.all_gather`."""
-        return self.base.all_gather(output, input, async_op=async_op, key=self.key)
+        return self.base.all_gather(
+            output, input, async_op=async_op, key=self.key, kind=3 + self.kinds
+        )
 
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, op: str = "sum", async_op: bool = False
     ) -> Work:
         """See :meth:`ProcessGroupComm.reduce_scatter`."""
-        return self.base.reduce_scatter(output, input, op=op, async_op=async_op, key=self.key)
+        return self.base.reduce_scatter(
+            output, input, op=op, async_op=async_op, key=self.key, kind=4 + self.kinds
+        )
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Work:
         """See :meth:`ProcessGroupComm.all_reduce`."""
@@ -112,7 +125,9 @@ class ScopedComm:
         async_op: bool = False,
     ) -> Work:
         """See :meth:`ProcessGroupComm.all_gather_pieces`."""
-        return self.base.all_gather_pieces(outputs, inputs, async_op=async_op, key=self.key)
+        return self.base.all_gather_pieces(
+            outputs, inputs, async_op=async_op, key=self.key, kind=1 + self.kinds
+        )
 
     def reduce_scatter_pieces(
         self,
@@ -124,7 +139,7 @@ class ScopedComm:
     ) -> Work:
         """See :meth:`ProcessGroupComm.reduce_scatter_pieces`."""
         return self.base.reduce_scatter_pieces(
-            outputs, inputs, op=op, async_op=async_op, key=self.key
+            outputs, inputs, op=op, async_op=async_op, key=self.key, kind=2 + self.kinds
         )
 
 

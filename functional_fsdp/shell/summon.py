@@ -283,7 +283,7 @@ class _Summoned:
         g.training_state = TrainingState.SUMMON_FULL_PARAMS
         self.opened = True
         source = self._source()
-        params: Sequence[torch.Tensor] = T.unshard(source, g.comm).params
+        params: Sequence[torch.Tensor] = T.unshard(source, g.summon_comm()).params
         grads = self._gather_grads(source) if self.with_grads else None
         if g.tp is not None:  # 2-D: the global tensors (TP all-gather of the TP-local ones)
             params = [
@@ -318,12 +318,13 @@ class _Summoned:
         present = torch.tensor(
             [p.grad is not None for p in g.params], dtype=torch.int32, device=source.flat.device
         )
-        g.comm.all_reduce(present, op="sum")
+        comm = g.summon_comm()
+        comm.all_reduce(present, op="sum")
         if not bool(present.any()):
             return [None] * len(g.params)
         grads: list[Any] = [None if p.grad is None else _local_of(p.grad) for p in g.params]
         state = T.pack_locals(grads, self.layout, source.rank, device=source.flat.device)
-        full = T.unshard(state, g.comm)
+        full = T.unshard(state, comm)
         return [t if bool(present[i]) else None for i, t in enumerate(full.params)]
 
     def close(self, *, writeback: bool) -> None:
