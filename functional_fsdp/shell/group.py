@@ -29,6 +29,7 @@ from ..records import (
 )
 from .autograd import UnshardFn, reduce_differentiably
 from .comm import ProcessGroupComm
+from .custom_comm import with_all_reduce_hook
 from .functional_path import GatherCall
 from .gather import GatherSlot
 from .group_common import TrainingState, _contiguous_stride, layout_for, traced
@@ -120,6 +121,10 @@ class ParamGroup:
         self.divide_factor: float | None = None
         self.force_sum = False
         self.reduce_unused = False
+        # FSDP2 extension points (FSDPModule.set_all_reduce_hook / set_unshard_in_backward).
+        self.all_reduce_hook: Any = None
+        self.unshard_in_backward = True
+        self.allocate_from_process_group = False  # accepted FSDP2 hint; no effect (module.py)
 
     def summon_comm(self) -> Communicator:
         """The shard group's communicator for ``summon_full_params`` (tags of their own)."""
@@ -129,7 +134,7 @@ class ParamGroup:
         """The shared process-group communicators this group's collectives run on."""
         out = []
         for c in (self.comm, self.replicate_comm, self.sub_comm):
-            base = c.base if isinstance(c, ScopedComm) else c
+            base = getattr(c, "base", c)  # a ScopedComm's (or a CustomCollectiveComm's) base
             if isinstance(base, ProcessGroupComm):
                 out.append(base)
         return out
@@ -398,7 +403,7 @@ class ParamGroup:
         all_reduce: bool | None = None,
     ) -> T.PendingReduce:
         """Issue the reduce-scatter of ``grads`` into ``sharded`` with this group's settings."""
-        return T.begin_reduce(
+        pending = T.begin_reduce(
             grads,
             sharded,
             self.comm,
@@ -409,6 +414,11 @@ class ParamGroup:
             reduce_unused=self.reduce_unused,
             async_op=async_op,
             alloc=self._alloc_advised,
+        )
+        if self.all_reduce_hook is None:
+            return pending
+        return with_all_reduce_hook(
+            pending, self.all_reduce_hook, bases=self.base_comms(), name=self.name
         )
 
     def gradients_captured(self) -> bool:

@@ -19,10 +19,17 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from ..errors import PolicyError, StateError
 from ._copy import deepcopy_fsdp_module
+from .custom_comm import CustomCollectiveComm, check_custom_comm, unwrap
 from .group import ParamGroup
 from .state import FSDPState, register_fsdp_forward_method
 
-__all__ = ["FSDPModule", "UnshardHandle", "register_fsdp_forward_method", "swap_class"]
+__all__ = [
+    "FSDPModule",
+    "UnshardHandle",
+    "register_fsdp_forward_method",
+    "share_comm_ctx",
+    "swap_class",
+]
 
 
 def swap_class(module: nn.Module) -> None:
@@ -195,19 +202,118 @@ class FSDPModule(TorchFSDPModule):
         """Accepted for compatibility; CPU collectives need no cross-stream event."""
         del event
 
-    # FSDP2 methods not implemented yet: a clear error, never torch's internals.
+    # FSDP2's communication extension points (shell/custom_comm.py; docs/api.md).
 
     def set_custom_all_gather(self, comm: Any) -> None:
-        """Not supported yet (FSDP2's custom all-gather)."""
-        raise _not_yet("set_custom_all_gather")
+        """Run this module's all-gathers through ``comm``, an FSDP2 ``AllGather`` object.
+
+        As in FSDP2, per module (not recursive): the group's output buffer comes from
+        ``comm.allocate((ws * n,), dtype=..., device=...)``, this rank's packed shards are
+        copied into its slice, and ``comm(output_tensor=..., input_tensor=<that slice>,
+        group=<the shard process group>, async_op=True)`` gathers; the result is copied into
+        the group's unsharded buffer. The group takes the packed path (not the per-parameter
+        pieces). ``None`` restores the built-in all-gather.
+
+        Raises:
+            PolicyError: ``comm`` has no ``allocate`` method or is not callable.
+        """
+        check_custom_comm(comm, "set_custom_all_gather")
+        self._set_custom(all_gather=comm)
 
     def set_custom_reduce_scatter(self, comm: Any) -> None:
-        """Not supported yet (FSDP2's custom reduce-scatter)."""
-        raise _not_yet("set_custom_reduce_scatter")
+        """Run this module's gradient reduce-scatters through ``comm``, an FSDP2
+        ``ReduceScatter`` object (``None`` restores the built-in one).
+
+        Input and output buffers come from ``comm.allocate`` (in the reduce dtype), then
+        ``comm(output_tensor=..., input_tensor=..., group=..., op=ReduceOp.AVG | SUM,
+        async_op=True)``. See :mod:`functional_fsdp.shell.custom_comm` for the details.
+
+        Raises:
+            PolicyError: ``comm`` has no ``allocate`` method or is not callable.
+        """
+        check_custom_comm(comm, "set_custom_reduce_scatter")
+        self._set_custom(reduce_scatter=comm)
+
+    def _set_custom(self, **kw: Any) -> None:
+        g = self._ffsdp_state.group
+        if g is None:
+            return
+        for attr in ("comm", "sub_comm"):  # FSDP2 uses the custom all-gather for both
+            c = getattr(g, attr)
+            if c is None or (attr == "sub_comm" and "all_gather" not in kw):
+                continue
+            ag = kw.get("all_gather", getattr(c, "all_gather_comm", None))
+            rs = kw.get("reduce_scatter", getattr(c, "reduce_scatter_comm", None))
+            if attr == "sub_comm":
+                rs = None
+            inner = unwrap(c)
+            wrapped = CustomCollectiveComm(inner, all_gather=ag, reduce_scatter=rs, name=g.name)
+            setattr(g, attr, inner if ag is None and rs is None else wrapped)
+        # A gather in flight went through the old communicator: drop it (it is waited first).
+        g.discard_pending()
 
     def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
-        """Not supported yet (FSDP2's HSDP all-reduce hook)."""
-        raise _not_yet("set_all_reduce_hook")
+        """Call ``hook(reduce_output)`` on this module's reduced gradients (FSDP2's semantics).
+
+        ``reduce_output`` is the group's flat, padded sharded gradient in the reduce dtype,
+        before any post-divide and the cast to the parameters' dtype; the hook may change it in
+        place. Without HSDP it runs after the reduce-scatter (e.g. for a custom replicate
+        all-reduce); with HSDP after the replicate all-reduce, and not on a step that skips it
+        (``set_requires_all_reduce(False)``). Per module, not recursive; ``None`` removes it.
+
+        ``stream``: accepted (ignored: no separate streams here); with HSDP, as in FSDP2, it is
+        an error.
+
+        Raises:
+            PolicyError: ``hook`` is not callable, or ``stream`` is given with HSDP.
+        """
+        if hook is not None and not callable(hook):
+            raise PolicyError(f"set_all_reduce_hook expects a callable, got {type(hook).__name__}")
+        g = self._ffsdp_state.group
+        if g is None:
+            return
+        if stream is not None and g.replicate_comm is not None:
+            raise PolicyError(
+                "set_all_reduce_hook: stream cannot be set when using native HSDP (the hook runs "
+                "after the replicate all-reduce); leave stream=None"
+            )
+        g.all_reduce_hook = hook
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward all-gathers this module's parameters (default ``True``).
+
+        ``False`` is for groups whose parameters the backward does not read (e.g. an embedding):
+        backward then skips their all-gather and its prefetch; gradients are reduced as usual.
+        Per module, not recursive (as in FSDP2).
+        """
+        g = self._ffsdp_state.group
+        if g is not None:
+            g.unshard_in_backward = bool(unshard_in_backward)
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted; has no effect here (FSDP2's hint to allocate staging buffers with the
+        process group's own allocator, e.g. NCCL's for zero-copy SHARP transfers).
+
+        On CPU/gloo FSDP2 itself falls back to ``torch.empty``: gloo's backend reports no tensor
+        allocator (``supports_tensor_alloc`` is ``False``), so the hint changes nothing there
+        either. On NCCL our engine gathers straight into its own buffers and does not apply it
+        yet. As in FSDP2 it cannot be combined with a custom all-gather or reduce-scatter.
+
+        Raises:
+            PolicyError: a custom all-gather or reduce-scatter is set on this module.
+        """
+        g = self._ffsdp_state.group
+        if g is None:
+            return
+        if isinstance(g.comm, CustomCollectiveComm):
+            raise PolicyError(
+                "cannot call set_allocate_memory_from_process_group_for_comm() when a custom "
+                "all-gather or reduce-scatter is set (set_custom_all_gather / "
+                "set_custom_reduce_scatter decide the allocation through their allocate())"
+            )
+        g.allocate_from_process_group = bool(enable)
+
+    # FSDP2 methods not implemented yet: a clear error, never torch's internals.
 
     def set_reduce_scatter_max_input_buffers(self, *args: Any, **kwargs: Any) -> None:
         """Not supported (a CUDA memory knob of FSDP2)."""
@@ -216,14 +322,6 @@ class FSDPModule(TorchFSDPModule):
     def set_separate_reduce_scatter_group(self, *args: Any, **kwargs: Any) -> None:
         """Not supported (a CUDA process-group knob of FSDP2)."""
         raise _not_yet("set_separate_reduce_scatter_group")
-
-    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Not supported yet (FSDP2's skip of the backward all-gather)."""
-        raise _not_yet("set_unshard_in_backward")
-
-    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
-        """Not supported (a CUDA memory knob of FSDP2)."""
-        raise _not_yet("set_allocate_memory_from_process_group_for_comm")
 
     def set_symm_mem_for_comm(self, *args: Any, **kwargs: Any) -> None:
         """Not supported (NCCL symmetric memory)."""
@@ -251,3 +349,19 @@ def _check_fsdp_modules(modules: Iterable[Any]) -> None:
                 f"Expects FSDPModule (a module passed to fully_shard), got {type(m).__name__}; "
                 "fully_shard it first"
             )
+
+
+def share_comm_ctx(modules: list[Any]) -> None:
+    """FSDP2's ``torch.distributed.fsdp.share_comm_ctx``: accepted, nothing to share here.
+
+    FSDP2 makes several roots (e.g. pipeline-parallel model chunks) share one communication
+    context: its CUDA all-gather, reduce-scatter and all-reduce streams and the buffers and
+    events kept on them, to avoid fragmenting memory across streams. Our engine runs its
+    collectives without side streams and keeps no cross-module communication state (each
+    group owns its buffers; every communicator over a process group is already shared, per
+    mesh), so there is nothing to share; the modules are checked as FSDP2 checks them.
+
+    Raises:
+        StateError: an entry is not an :class:`FSDPModule` (a ``ValueError``, as FSDP2's).
+    """
+    _check_fsdp_modules(modules)

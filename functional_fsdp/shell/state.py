@@ -235,12 +235,16 @@ class FSDPState:
         g = self.group
         if g is not None:
             g.training_state = TrainingState.PRE_BACKWARD
-            g.wait_unshard()
-            if g.full_outputs is not None:
-                g.register_full(g.full_outputs)
+            # set_unshard_in_backward(False): the backward does not read these parameters
+            # (e.g. an embedding); FSDP2 skips their all-gather (and its prefetch) in backward.
+            if g.unshard_in_backward:
+                g.wait_unshard()
+                if g.full_outputs is not None:
+                    g.register_full(g.full_outputs)
         for t in self.backward_prefetch_targets():
-            if t.group is not None and not t.group.ran_post_backward:
-                t.group.start_unshard()
+            tg = t.group
+            if tg is not None and not tg.ran_post_backward and tg.unshard_in_backward:
+                tg.start_unshard()
 
     def backward_prefetch_targets(self) -> list[FSDPState]:
         if self.explicit_backward_prefetch is not None:
