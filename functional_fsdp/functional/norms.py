@@ -5,7 +5,9 @@ squares its shard locally and one all-reduce over the shard group adds them up (
 ``torch.nn.utils.clip_grad_norm_`` computes on ``DTensor`` gradients). The all-reduce goes
 through a :class:`~functional_fsdp.comm.Communicator`: one built from the ``DTensor`` 's mesh
 (:class:`~functional_fsdp.shell.comm.ProcessGroupComm` over the shard dim's process group), or
-one the caller passes (e.g. a simulated world's).
+one the caller passes (e.g. a simulated world's). A ``DTensor`` sharded over several mesh dims
+(2-D FSDP + TP: ``(_StridedShard(0), Shard(0))`` on ``(dp, tp)``) is summed over each in turn, so
+the norm covers the full mesh.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._tree import tree_leaves
 from ..comm import Communicator
@@ -22,65 +25,78 @@ from ..shell import ProcessGroupComm
 
 __all__ = ["global_norm"]
 
-_Key = tuple[Any, int]
+_Key = tuple[Any, tuple[int, ...]]
+_Comms = tuple[Communicator, ...]
 
 
 def _local(t: Any) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _is_shard(p: Any) -> bool:
+    # FSDP2's dp placement under TP is _StridedShard, which is not a Shard subclass.
+    return isinstance(p, (Shard, _StridedShard))
+
+
 def _shard_key(t: Any) -> _Key | None:
-    """``(mesh, shard mesh dim)`` of a sharded ``DTensor``; ``None`` for anything unsharded."""
+    """``(mesh, sharded mesh dims)`` of a sharded ``DTensor``: every dim it is split over (dp
+    and, under 2-D FSDP + TP, tp); ``None`` for anything unsharded."""
     if not isinstance(t, DTensor):
         return None
-    dims = [d for d, p in enumerate(t.placements) if isinstance(p, Shard)]
-    if not dims or t.device_mesh.size(dims[0]) == 1:
-        return None
-    return (t.device_mesh, dims[0])
+    mesh = t.device_mesh
+    dims = tuple(d for d, p in enumerate(t.placements) if _is_shard(p) and mesh.size(d) > 1)
+    return (mesh, dims) if dims else None
 
 
-def _comm_for(key: _Key | None, comms: dict[Any, Communicator]) -> Communicator | None:
+def _comm_for(key: _Key | None, comms: dict[Any, Communicator]) -> _Comms:
+    """One communicator per sharded mesh dim of ``key`` (cached per ``(mesh, dim)``)."""
     if key is None:
-        return None
-    if key not in comms:
-        mesh, dim = key
-        comms[key] = ProcessGroupComm.for_mesh(mesh, dim)
-    return comms[key]
+        return ()
+    mesh, dims = key
+    out = []
+    for dim in dims:
+        if (mesh, dim) not in comms:
+            comms[(mesh, dim)] = ProcessGroupComm.for_mesh(mesh, dim)
+        out.append(comms[(mesh, dim)])
+    return tuple(out)
 
 
 def norm_by_groups(
     locals_: Sequence[torch.Tensor],
-    groups: Sequence[tuple[Communicator | None, Sequence[int]]],
+    groups: Sequence[tuple[_Comms | Communicator | None, Sequence[int]]],
     *,
     extra: torch.Tensor | None = None,
     extra_comm: Communicator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The global norm of local shards grouped by communicator (``None``: not reduced).
+    """The global norm of local shards grouped by communicators (one per mesh dim the group is
+    sharded over, summed in turn; none: not reduced).
 
     ``extra`` (a 0-d float tensor, e.g. a loss) is summed over ``extra_comm`` in the same
-    all-reduce as the squares of that communicator's group, saving a collective.
+    all-reduce as the squares of the group whose first communicator it is, saving a collective.
     Returns ``(norm, summed extra)``.
     """
     norms = torch._foreach_norm(list(locals_)) if locals_ else []
-    if len(groups) == 1 and groups[0][0] is None and extra is None and norms:
+    by_comms = [(_as_comms(c), idx) for c, idx in groups]
+    if len(by_comms) == 1 and not by_comms[0][0] and extra is None and norms:
         # Unsharded: exactly clip_grad_norm_'s arithmetic (the norm of the norms).
         return torch.linalg.vector_norm(torch.stack(list(norms))), None
     per_tensor = []
-    for comm, idx in groups:
+    for comms, idx in by_comms:
         # clip_grad_norm_ on DTensors reduces each tensor's norm (its local norm ** 2 summed
         # over ranks, then ** 0.5) and takes the norm of those: the same ops, bit for bit, with
-        # one all-reduce of the vector of squares per group.
+        # one all-reduce of the vector of squares per group and sharded mesh dim.
         local = torch.stack([norms[i].float() for i in idx])
-        if comm is None:
+        if not comms:
             per_tensor.append(local)
             continue
         sq = local**2.0
-        if extra is not None and comm is extra_comm:
-            buf = torch.cat([sq, extra.float().reshape(1)])
-            comm.all_reduce(buf)
-            sq, extra, extra_comm = buf[:-1], buf[-1], None
-        else:
-            comm.all_reduce(sq)
+        for k, comm in enumerate(comms):
+            if k == 0 and extra is not None and comm is extra_comm:
+                buf = torch.cat([sq, extra.float().reshape(1)])
+                comm.all_reduce(buf)
+                sq, extra, extra_comm = buf[:-1], buf[-1], None
+            else:
+                comm.all_reduce(sq)
         per_tensor.append(sq**0.5)
     if extra is not None and extra_comm is not None:
         extra = extra.float().clone()
@@ -88,6 +104,12 @@ def norm_by_groups(
     if not per_tensor:
         return torch.zeros((), dtype=torch.float32), extra
     return torch.linalg.vector_norm(torch.cat(per_tensor)), extra
+
+
+def _as_comms(c: _Comms | Communicator | None) -> _Comms:
+    if c is None:
+        return ()
+    return c if isinstance(c, tuple) else (c,)
 
 
 def global_norm(tree: Any, *, comm: Communicator | None = None) -> torch.Tensor:
@@ -114,10 +136,10 @@ def global_norm(tree: Any, *, comm: Communicator | None = None) -> torch.Tensor:
     leaves = [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
     comms: dict[Any, Communicator] = {}
     keys: list[Any] = []
-    groups: list[tuple[Communicator | None, list[int]]] = []
+    groups: list[tuple[_Comms, list[int]]] = []
     for i, t in enumerate(leaves):
         key = _shard_key(t)
-        c = _comm_for(key, comms) if key is not None else comm
+        c = _comm_for(key, comms) if key is not None else _as_comms(comm)
         gkey = key if key is not None else ("plain", id(comm))
         if gkey not in keys:
             keys.append(gkey)
@@ -143,7 +165,7 @@ class StepNorms:
         self.names = list(names)
         comms: dict[Any, Communicator] = {}
         keys: list[Any] = []
-        self.groups: list[tuple[Communicator | None, list[int]]] = []
+        self.groups: list[tuple[_Comms, list[int]]] = []
         for i, p in enumerate(params):
             key = _shard_key(p)
             if key not in keys:
@@ -156,9 +178,7 @@ class StepNorms:
         if mesh is not None:
             for dim in range(mesh.ndim):
                 if mesh.size(dim) > 1:
-                    c = _comm_for((mesh, dim), comms)
-                    assert c is not None
-                    self.loss_comms.append(c)
+                    self.loss_comms.extend(_comm_for((mesh, (dim,)), comms))
                     self.dp_size *= mesh.size(dim)
         self._cache: tuple[list[int], torch.Tensor] | None = None
 

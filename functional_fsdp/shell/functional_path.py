@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import layout as L
 from .. import transitions as T
+from ..errors import UnsupportedError
 from ..records import ShardedState
 from .autograd import GatherFn
 from .gather import GatherSlot
@@ -170,6 +171,7 @@ def pre_forward(state: FSDPState) -> bool:
         states = root.all_states if state.is_root else [state]
         if not _wants_functional(states):
             return False
+        _refuse_transform_over_tp(state, states)
         fwd = FunctionalForward()
         if state.is_root:
             root.functional = fwd
@@ -197,6 +199,28 @@ def pre_forward(state: FSDPState) -> bool:
         state.functional = _Marker()
     _prefetch_next(state, fwd)
     return True
+
+
+TP_TRANSFORM_MESSAGE = (
+    "torch.func transforms (grad, vjp, vmap, jvp, ...) over a module with tensor-parallel "
+    "DTensor parameters are not supported: DTensor's own autograd Functions (DTensor.from_local "
+    "in parallelize_module's input hooks, to_local, redistribute) have no setup_context in "
+    "torch 2.13, so functorch cannot run them even without FSDP. Use "
+    "torch.autograd.grad(loss, params) with torch.func.functional_call (what "
+    "functional_fsdp.functional.make_train_step does), or loss.backward()"
+)
+
+
+def _refuse_transform_over_tp(state: FSDPState, states: Sequence[FSDPState]) -> None:
+    """Raise before any collective when a ``torch.func`` transform runs over 2-D (FSDP + TP),
+    undoing what the shell's pre-forward did so far (the module stays usable)."""
+    if torch._C._are_functorch_transforms_active() and any(
+        s.group is not None and s.group.tp is not None for s in states
+    ):
+        state.depth = max(0, state.depth - 1)
+        if state.is_root and state.root is not None:
+            state.root.in_forward = False
+        raise UnsupportedError(TP_TRANSFORM_MESSAGE)
 
 
 def _sources(group: ParamGroup) -> list[Any]:
@@ -434,10 +458,11 @@ def _check_sources(group: ParamGroup, sources: Sequence[Any]) -> None:
             raise TypeError(
                 f"functional_call on a sharded module: {spec.fqn!r} of {group.name} is a {type(src).__name__}"
             )
-        if tuple(src.shape) != spec.shape:
+        shape = spec.global_shape or spec.shape  # under TP: the global, not the TP-local, shape
+        if tuple(src.shape) != shape:
             raise ValueError(
                 f"functional_call on a sharded module: the tensor for {spec.fqn!r} of {group.name} has shape "
-                f"{tuple(src.shape)}, the parameter's global shape is {spec.shape}"
+                f"{tuple(src.shape)}, the parameter's global shape is {shape}"
             )
         if isinstance(src, DTensor) or not _functorch_wrapped(src):
             _local(group, src, i)  # raises for a wrong placement or a plain tensor
