@@ -1,4 +1,4 @@
-"""Smoke tests: the functional examples run end to end in one command (2 spawned gloo ranks)."""
+"""Smoke tests: the examples run end to end in one command (2 or 4 spawned gloo ranks)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,11 @@ def test_custom_trainer_runs_and_resumes_identically() -> None:
 def test_functional_train_example_runs() -> None:
     out = _run("02_functional_train.py", "--steps", "8")
     assert "loss" in out
+
+
+def test_fsdp_tp_example_runs() -> None:
+    """examples/04_fsdp_tp.py: 4 spawned ranks (2 dp x 2 tp); it asserts its losses match one
+    plain model's on the global batch (exit status 1 otherwise)."""
+    out = _run("04_fsdp_tp.py", "--steps", "2", "--layers", "1")
+    assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in out
+    assert "max loss difference vs single process" in out
