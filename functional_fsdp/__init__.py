@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         load_checkpoint,
         register_fsdp_forward_method,
         save_checkpoint,
+        share_comm_ctx,
         summon_full_params,
     )
     from .shell.launch import run_local
@@ -69,6 +70,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
             "load_checkpoint",
             "register_fsdp_forward_method",
             "save_checkpoint",
+            "share_comm_ctx",
             "summon_full_params",
         )
     },
@@ -120,6 +122,7 @@ __all__ = [
     "run_local",
     "save_checkpoint",
     "shard",
+    "share_comm_ctx",
     "summon_full_params",
     "tree_flatten",
     "tree_leaves",

@@ -4,17 +4,41 @@ Everything other layers (``functional_fsdp.functional``, the top level) use from
 exported here; they import this package, never its modules.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
-from .checkpoint import (
-    ChecksummingFileSystemWriter,
-    SafeFileSystemReader,
-    SafeLoadPlanner,
-    load_checkpoint,
-    save_checkpoint,
-)
 from .comm import ProcessGroupComm
 from .functional_path import DeferredReductions
+from .module import share_comm_ctx
 from .summon import summon_full_params
+
+if TYPE_CHECKING:
+    from .checkpoint import (
+        ChecksummingFileSystemWriter,
+        SafeFileSystemReader,
+        SafeLoadPlanner,
+        load_checkpoint,
+        save_checkpoint,
+    )
+
+# The checkpoint names load torch.distributed.checkpoint (about 6 MiB of RSS per rank): only
+# on first use, so a training run that never checkpoints does not pay for it.
+_CHECKPOINT = (
+    "ChecksummingFileSystemWriter",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "load_checkpoint",
+    "save_checkpoint",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CHECKPOINT:
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ChecksummingFileSystemWriter",
@@ -28,5 +52,6 @@ __all__ = [
     "load_checkpoint",
     "register_fsdp_forward_method",
     "save_checkpoint",
+    "share_comm_ctx",
     "summon_full_params",
 ]

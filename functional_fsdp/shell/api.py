@@ -17,10 +17,10 @@ from ..layout import check_sub_group_size
 from ..records import MixedPrecisionPolicy, OffloadPolicy, ParamSpec
 from ..transitions import shard_tensors
 from .autograd import explain_forward_ad_on_dtensor
-from .checkpoint import readopt_after_load
 from .comm import ProcessGroupComm
 from .group import ParamGroup, TrainingState, layout_for
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
+from .reload import readopt_after_load
 from .state import FSDPState, hooks_for
 from .tensor_parallel import (
     TensorParallelPlan,

@@ -32,7 +32,7 @@ from .comm import ProcessGroupComm
 from .custom_comm import with_all_reduce_hook
 from .functional_path import GatherCall
 from .gather import GatherSlot
-from .group_common import TrainingState, _contiguous_stride, layout_for, traced
+from .group_common import ReduceChain, TrainingState, _contiguous_stride, layout_for, traced
 from .memory import huge_page_advisor
 from .schedule import ScopedComm
 
@@ -102,6 +102,7 @@ class ParamGroup:
         self.post_forward: Any = None
         self._post_forward_version = -1
         self.pending_reduce: T.PendingReduce | None = None
+        self.reduce_chain = ReduceChain()  # the root shares one among its groups (lazy_init)
         self.accumulated: list[torch.Tensor | None] | None = None
         self.training_state = TrainingState.IDLE
         self.ran_post_backward = False
@@ -391,6 +392,7 @@ class ParamGroup:
                 self.accumulated = None
             if any(g is not None for g in grads):
                 self.finish_reduce()
+                self.reduce_chain.hand_over(self)
                 self.pending_reduce = self.begin_reduce(grads, self.state)
 
     @traced("post_backward_reduce")

@@ -13,7 +13,7 @@ import torch
 
 from ..records import GroupLayout, MixedPrecisionPolicy, ParamSpec
 
-__all__ = ["TrainingState", "layout_for", "traced"]
+__all__ = ["ReduceChain", "TrainingState", "layout_for", "traced"]
 
 
 def _preserve_version(t: torch.Tensor | None) -> Any:
@@ -31,6 +31,28 @@ class TrainingState(enum.Enum):
     PRE_BACKWARD = "pre_backward"
     POST_BACKWARD = "post_backward"
     SUMMON_FULL_PARAMS = "summon_full_params"  # inside summon_full_params (FSDP1's state)
+
+
+class ReduceChain:
+    """The one gradient reduction in flight among a root's groups, as FSDP2 keeps one
+    reduce-scatter input buffer (``reduce_scatter_max_input_buffers=1``): a group starting its
+    reduction first finishes the previous group's, so at most one group's full-size reduce
+    buffers are alive at a time (33 groups otherwise pile them up until the end of backward).
+
+    Attributes:
+        group: the group whose reduction is in flight (or last was), else ``None``.
+    """
+
+    __slots__ = ("group",)
+
+    def __init__(self) -> None:
+        self.group: Any = None
+
+    def hand_over(self, group: Any) -> None:
+        """Finish the reduction in flight of another group; ``group`` issues the next one."""
+        prev, self.group = self.group, group
+        if prev is not None and prev is not group:
+            prev.finish_reduce()
 
 
 def traced(label: str) -> Any:

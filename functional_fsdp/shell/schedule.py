@@ -58,6 +58,9 @@ class Waiter:
             except BaseException as e:  # handed to the waiting caller
                 box.append(e)
             done.set()
+            # Drop the finished works before blocking for the next job: a work keeps its
+            # tensors alive (a receive's whole output buffer, a group's sharded gradients).
+            works = w = None
 
 
 class ScopedComm:

@@ -16,7 +16,7 @@ from ..errors import PolicyError, StateError
 from ..records import MixedPrecisionPolicy
 from . import functional_path
 from .group import ParamGroup, TrainingState
-from .group_common import traced
+from .group_common import ReduceChain, traced
 from .schedule import resync
 
 __all__ = ["FSDPState", "hooks_for", "register_fsdp_forward_method"]
@@ -106,6 +106,10 @@ class FSDPState:
                         )
                     seen[id(p)] = s.name
         self.all_states = states
+        chain = ReduceChain()
+        for s in states:
+            if s.group is not None:
+                s.group.reduce_chain = chain
         if self.group is not None and self.user_reshard_after_forward is None:
             self.group.reshard_after_forward = False
 

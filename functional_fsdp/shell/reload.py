@@ -1,0 +1,108 @@
+"""``load_state_dict(assign=True)`` on sharded modules: re-adopt the new parameter objects.
+
+``load_state_dict(assign=True)`` (and torch's meta-device path of ``set_model_state_dict``)
+*replaces* the parameter objects, so the group re-adopts the new parameters into a fresh
+sharded buffer (FSDP2 does the same with its ``reset_sharded_param`` hook). ``fully_shard``
+registers :func:`readopt_after_load` as a post-hook. Kept apart from :mod:`.checkpoint` so that
+importing ``fully_shard`` does not import ``torch.distributed.checkpoint`` (about 6 MiB of RSS
+per rank that a training run without checkpoints does not need).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import DTensor
+
+from ..errors import LayoutMismatchError
+from .group import ParamGroup, TrainingState
+
+__all__ = ["readopt_after_load"]
+
+
+def readopt_after_load(module: nn.Module, incompatible_keys: Any) -> None:
+    """``load_state_dict`` post-hook: re-adopt parameters that loading replaced.
+
+    ``load_state_dict(assign=True)`` puts new parameter objects on the modules. Each one is
+    brought to the group's sharding (a ``DTensor`` with other placements is redistributed, a
+    full plain tensor is sliced locally) and the group packs them into a fresh sharded buffer
+    that their local tensors view. A plain (non-assign) load copies in place and needs nothing.
+
+    Args:
+        module: a module passed to ``fully_shard`` (the hook's owner).
+        incompatible_keys: unused (the hook protocol's second argument).
+    """
+    del incompatible_keys
+    state = getattr(module, "_ffsdp_state", None)
+    group: ParamGroup | None = state.group if state is not None else None
+    if group is None or group.training_state is not TrainingState.IDLE:
+        return
+    replaced = [
+        i
+        for i, holders in enumerate(group.holders)
+        if holders[0][0]._parameters.get(holders[0][1]) is not group.params[i]
+    ]
+    if not replaced:
+        return
+    for i in replaced:
+        mod, name = group.holders[i][0]
+        new = mod._parameters.get(name)
+        ref: Any = group.params[i]
+        if new is None:
+            mod._parameters[name] = ref
+            continue
+        if _same_sharding(new, ref):
+            continue
+        local = _local_for(new, ref, group, i)
+        dt = DTensor.from_local(
+            local,
+            ref.device_mesh,
+            ref.placements,
+            run_check=False,
+            shape=ref.shape,
+            stride=ref.stride(),
+        )
+        mod._parameters[name] = nn.Parameter(dt, requires_grad=ref.requires_grad)
+    group.refresh_from_modules()
+
+
+def _same_sharding(new: torch.Tensor, ref: Any) -> bool:
+    return (
+        isinstance(new, nn.Parameter)
+        and isinstance(new, DTensor)
+        and new.device_mesh == ref.device_mesh
+        and tuple(new.placements) == tuple(ref.placements)
+        and new.dtype == ref.dtype
+        and new._local_tensor.shape == ref._local_tensor.shape
+    )
+
+
+def _local_for(new: torch.Tensor, ref: Any, group: ParamGroup, i: int) -> torch.Tensor:
+    """This rank's shard of parameter ``i`` from ``new`` (a global tensor or any ``DTensor``).
+
+    Under 2-D FSDP + TP the shapes compared are global (``ParamSpec.global_shape``); a plain
+    global tensor is first cut to this rank's TP-local block, then to its dp slice.
+    """
+    spec = group.layout.specs[i]
+    shape = spec.global_shape or spec.shape
+    if tuple(new.shape) != shape:
+        raise LayoutMismatchError(
+            f"load_state_dict(assign=True): {spec.fqn!r} has shape {tuple(new.shape)} but the sharded "
+            f"module expects the full shape {shape}; load a state dict of the same model"
+        )
+    with torch.no_grad():
+        if isinstance(new, DTensor):
+            return (
+                new.redistribute(ref.device_mesh, ref.placements).to_local().detach().to(ref.dtype)
+            )
+        full = new.detach()
+        if group.tp is not None:
+            full = group.tp.to_local(i, spec, full)
+        start, length = group.layout.extent(i, group.state.rank)
+        dim = group.layout.shard_dims[i]
+        return full.narrow(dim, start, length).to(ref.dtype).clone()
+
+
+# ------------------------------------------------------------------------------- entry points
