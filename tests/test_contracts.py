@@ -278,7 +278,7 @@ def test_sharded_modules_are_torch_fsdp_modules(world2: World) -> None:
 def _unsupported_method_is_clear() -> str:
     _, model, *_ = _models(False)
     try:
-        model.set_custom_all_gather(None)
+        model.set_symm_mem_for_comm()
     except NotImplementedError as e:
         return str(e)
     return "no error"
@@ -286,7 +286,7 @@ def _unsupported_method_is_clear() -> str:
 
 def test_torch_only_methods_raise_clearly(world2: World) -> None:
     for msg in world2.run(_unsupported_method_is_clear):
-        assert "set_custom_all_gather" in msg and "not supported" in msg
+        assert "set_symm_mem_for_comm" in msg and "not supported" in msg
 
 
 def _last_backward_flag(use_torch: bool, use_flag: bool) -> dict[str, Any]:

@@ -57,8 +57,9 @@ class FSDPState:
         # Nesting depth of this state's forward (a forward method registered with
         # register_fsdp_forward_method that calls forward runs the hooks twice).
         self.depth = 0
-        # Functional path (issue 4, shell/functional_path.py): this state's record of the
-        # functional forward in progress (None on the ordinary path).
+        # Where this forward's parameters come from: None for the group's own shards (its
+        # persistent GatherSlot), else the record of a forward over caller-passed sources
+        # (functional_call / torch.func; shell/functional_path.py, a GatherSlot per call).
         self.functional: Any = None
 
     @property
@@ -145,10 +146,10 @@ class FSDPState:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if not root.order_recorded:
             root.forward_order.append(self)
-        # --- functional path (issue 4): functional_call / torch.func with substituted params ---
+        # The parameter source: tensors the caller registered (functional_call, torch.func)
+        # are gathered per call by the same engine; otherwise the group's own shards below.
         if functional_path.pre_forward(self):
             return args, kwargs
-        # ---------------------------------------------------------------------------------------
         if g is not None and g.forward_users > 1 and g.training_state == TrainingState.FORWARD:
             # Another module of the same fully_shard([...]) group already unsharded it.
             return args, kwargs
@@ -190,11 +191,9 @@ class FSDPState:
         self.depth = max(0, self.depth - 1)
         if self.depth > 0:
             return output
-        # --- functional path (issue 4) ---------------------------------------------------------
-        functional = self.functional is not None
+        functional = self.functional is not None  # caller-passed sources (see _pre_forward)
         if functional:
             output = functional_path.post_forward(self, output)
-        # ---------------------------------------------------------------------------------------
         root = self.root
         if root is not None and not root.order_recorded:
             root.post_forward_order.append(self)
