@@ -41,6 +41,7 @@ __all__ = [
     "begin_codec_unshard",
     "codec_unshard",
     "decode_outputs",
+    "describe_inputs",
     "encode_inputs",
     "finish_codec_unshard",
     "gather_bytes",
@@ -226,8 +227,23 @@ def gather_bytes(layout: GroupLayout) -> int:
     return layout.encoded.total * _buffer_dtype(layout).itemsize
 
 
-def _checked(layout: GroupLayout, i: int, result: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
-    fqn, want = layout.specs[i].fqn, _input_specs(layout, i)
+def describe_inputs(fqn: str, codec: GatherCodec, shard: torch.Tensor) -> GatherInputSpec:
+    """Run ``codec.encode(shard)`` once and describe its inputs (how a layout learns them).
+
+    Raises:
+        GatherCodecError: the hook raised or did not return ``(tuple of tensors, metadata)``.
+    """
+    try:
+        result = codec.encode(shard)
+    except GatherCodecError:
+        raise
+    except Exception as e:
+        raise GatherCodecError(f"{fqn}: fsdp_pre_all_gather raised {type(e).__name__}: {e}") from e
+    inputs, _ = _well_formed(fqn, result)
+    return GatherInputSpec(tuple(tuple(t.shape) for t in inputs), tuple(t.dtype for t in inputs))
+
+
+def _well_formed(fqn: str, result: Any) -> tuple[Sequence[torch.Tensor], Any]:
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise GatherCodecError(
             f"{fqn}: fsdp_pre_all_gather must return (all_gather_inputs, metadata), got "
@@ -241,6 +257,12 @@ def _checked(layout: GroupLayout, i: int, result: Any) -> tuple[tuple[torch.Tens
             f"{fqn}: fsdp_pre_all_gather's all_gather_inputs must be a tuple of tensors, got "
             f"{type(inputs).__name__}"
         )
+    return inputs, meta
+
+
+def _checked(layout: GroupLayout, i: int, result: Any) -> tuple[tuple[torch.Tensor, ...], Any]:
+    fqn, want = layout.specs[i].fqn, _input_specs(layout, i)
+    inputs, meta = _well_formed(fqn, result)
     got = [(tuple(t.shape), t.dtype) for t in inputs]
     if got != list(zip(want.shapes, want.dtypes)):
         raise GatherCodecError(
@@ -383,7 +405,7 @@ def decode_outputs(
     The result is viewed at the parameter's size with contiguous strides (FSDP2's
     ``as_strided``).
     """
-    result = []
+    result: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []
     for i, spec in enumerate(layout.specs):
         ins = _input_specs(layout, i)
         ws = layout.world_size

@@ -78,15 +78,16 @@ class Int8RowwiseWeight(torch.Tensor):
     def __repr__(self) -> str:  # type: ignore[override]
         return f"Int8RowwiseWeight({self._data!r})"
 
-    def __tensor_flatten__(self) -> tuple[list[str], None]:
-        return ["_data"], None
+    def __tensor_flatten__(self) -> tuple[list[str], type]:
+        return ["_data"], type(self)
 
     @staticmethod
     def __tensor_unflatten__(
         inner: dict[str, torch.Tensor], ctx: Any, outer_size: Any, outer_stride: Any
     ) -> Int8RowwiseWeight:
-        del ctx, outer_size, outer_stride
-        return Int8RowwiseWeight(inner["_data"])
+        del outer_size, outer_stride
+        cls = ctx if isinstance(ctx, type) else Int8RowwiseWeight
+        return cls(inner["_data"])  # type: ignore[no-any-return]
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -133,7 +134,9 @@ class Int8RowwiseWeight(torch.Tensor):
         q, scale = all_gather_outputs
         full = dequantize_rows(q, scale, param_dtype)
         if out is not None:
-            with torch.no_grad():
+            # The same data autograd saved views of (FSDP2 re-gathers for backward): keep the
+            # version counter, as FSDP2's own copy-out does.
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(out):
                 out.copy_(full.view(-1)[: out.numel()].view(out.shape))
             return None
         return full, (full,)
