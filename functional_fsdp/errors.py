@@ -63,6 +63,12 @@ class LayoutMismatchError(FSDPError, ValueError):
     """Tensors do not match the layout they are combined with (count, shape or dtype)."""
 
 
+class GatherCodecError(FSDPError, ValueError):
+    """A tensor subclass's all-gather hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``)
+    broke FSDP2's protocol: wrong return type, input shapes/dtypes that differ from the layout
+    (or between ranks), or a hook that raised."""
+
+
 class StateError(FSDPError, RuntimeError, ValueError):
     """A transition was called on a record, or a module, in the wrong state (or on a module
     that is not an FSDP module).

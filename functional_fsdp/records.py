@@ -22,6 +22,7 @@ from .errors import LayoutMismatchError, PolicyError
 
 __all__ = [
     "CPUOffloadPolicy",
+    "GatherInputSpec",
     "GroupLayout",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
@@ -66,6 +67,15 @@ class ParamSpec:
         return L.prod(self.shape)
 
 
+@attrs.frozen
+class GatherInputSpec:
+    """Per-rank all-gather inputs of one parameter under an all-gather codec (a tensor subclass
+    with ``fsdp_pre_all_gather``): their shapes and dtypes, the same on every rank."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[torch.dtype, ...]
+
+
 def _floating(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
@@ -87,6 +97,9 @@ class GroupLayout:
         storage: packing of the padded shards in their original dtypes (the sharded buffer).
         gather: packing of the padded shards in ``gather_dtypes`` (the all-gather input).
         treespec: the structure to rebuild a user's pytree from the flat order, if any.
+        codec_inputs: per parameter, the all-gather inputs its codec sends (``None``: the plain
+            padded shard), or ``None`` when no parameter has a codec (see ``codec.py``).
+        encoded: packing of every parameter's all-gather inputs when ``codec_inputs`` is set.
     """
 
     specs: tuple[ParamSpec, ...]
@@ -98,6 +111,8 @@ class GroupLayout:
     storage: L.PackLayout
     gather: L.PackLayout
     treespec: optree.PyTreeSpec | None = attrs.field(default=None, eq=False)
+    codec_inputs: tuple[GatherInputSpec | None, ...] | None = None
+    encoded: L.PackLayout | None = None
 
     @classmethod
     def build(

@@ -25,7 +25,7 @@ import torch
 
 from . import layout as L
 from .comm import Communicator, DoneWork, PiecesCommunicator, Work, check_comm, uses_pieces
-from .errors import LayoutMismatchError, MeshError, StateError
+from .errors import GatherCodecError, LayoutMismatchError, MeshError, StateError
 from .records import (
     GroupLayout,
     ParamSpec,
@@ -242,6 +242,8 @@ def begin_unshard(
             dim-0 group is gathered straight into it, parameter by parameter (no copy-out).
     """
     lay = state.layout
+    if lay.codec_inputs is not None:
+        raise GatherCodecError("this layout has all-gather codecs: use codec.begin_codec_unshard")
     if isinstance(state, ShardedState):
         check_comm(comm, lay.world_size, "unshard")
         inp, source = pack_for_gather(state), state

@@ -12,11 +12,13 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
+from ..codec import has_hooks
 from ..errors import MeshError, PolicyError, TiedParameterError
 from ..layout import check_sub_group_size
 from ..records import MixedPrecisionPolicy, OffloadPolicy, ParamSpec
 from ..transitions import shard_tensors
 from .autograd import explain_forward_ad_on_dtensor
+from .codec_slot import adopt_codecs, plain_data
 from .comm import ProcessGroupComm
 from .group import ParamGroup, TrainingState, layout_for
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
@@ -265,6 +267,8 @@ def _build_group(
     layout = layout_for(specs, shard_size, mp)
     device = _compute_device(mesh)
     src = [(p._local_tensor if isinstance(p, DTensor) else p).detach() for p in params]
+    templates = [t if has_hooks(t) else None for t in src]
+    src = [plain_data(t) if tm is not None else t for t, tm in zip(src, templates)]
     if not any(t.is_meta for t in src):
         src = [t if t.device == device else t.to(device) for t in src]
     state = shard_tensors(src, layout, rank)
@@ -289,7 +293,7 @@ def _build_group(
         if (isinstance(raf, int) and not isinstance(raf, bool))
         else None
     )
-    return ParamGroup(
+    group = ParamGroup(
         layout,
         state,
         [holders[id(p)] for p in params],
@@ -304,6 +308,8 @@ def _build_group(
         name=name,
         tp=tp,
     )
+    adopt_codecs(group, templates, mesh, raf)
+    return group
 
 
 def _param_specs(
