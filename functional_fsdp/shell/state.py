@@ -363,4 +363,7 @@ def hooks_for(state: FSDPState) -> tuple[Callable, Callable]:
     def post(module: nn.Module, args: tuple, output: Any) -> Any:
         return state.post_forward(module, args, output)
 
-    return pre, post
+    # Under torch.compile the hooks run eagerly (a graph break on each side of the module's
+    # forward, which compiles): they gather, register tensors on modules and start
+    # collectives, none of which belongs in a graph.
+    return torch._dynamo.disable(pre), torch._dynamo.disable(post)
