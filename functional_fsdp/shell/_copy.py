@@ -146,6 +146,8 @@ def _copy_group(g: ParamGroup, memo: dict[Any, Any]) -> ParamGroup:
 
 def _closes_over(fn: Any, obj: Any) -> bool:
     fn = getattr(fn, "__func__", fn)
+    while hasattr(fn, "__wrapped__"):  # torch._dynamo.disable wraps the hooks
+        fn = fn.__wrapped__
     cells = getattr(fn, "__closure__", None) or ()
     for c in cells:
         try:
