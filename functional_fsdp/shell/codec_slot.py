@@ -136,7 +136,7 @@ class CodecSlot(GatherSlot):
         if self.live or self.pending is not None:
             return
         assert isinstance(source, ShardedState)
-        self._pending_version = version
+        self.pending_version = version
         try:
             with torch.no_grad():
                 self.pending = C.begin_codec_unshard(source, comm, self.codecs)  # type: ignore[assignment]
@@ -168,7 +168,7 @@ class CodecSlot(GatherSlot):
                     C.split_outputs(lay, pending.output, self.outputs)
                     out = [v if c else None for v, c in zip(self.views, self.codecs)]
                     C.decode_outputs(lay, self.outputs, self.codecs, pending.metadata, out=out)
-        self.version = self._pending_version
+        self.version = self.pending_version
         self.live = True
 
     def free(self) -> None:

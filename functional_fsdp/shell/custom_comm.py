@@ -75,7 +75,8 @@ def unwrap(comm: Communicator) -> Communicator:
     return comm.inner if isinstance(comm, CustomCollectiveComm) else comm
 
 
-def _base(comm: Any) -> ProcessGroupComm | None:
+def base_comm(comm: Any) -> ProcessGroupComm | None:
+    """The shared process-group communicator under scoped/custom wrappers, or ``None``."""
     while isinstance(comm, (CustomCollectiveComm, ScopedComm)):
         comm = comm.base if isinstance(comm, ScopedComm) else comm.inner
     return comm if isinstance(comm, ProcessGroupComm) else None
@@ -136,7 +137,7 @@ class CustomCollectiveComm:
         name: str = "",
     ) -> None:
         self.inner = unwrap(inner)
-        self.base = _base(self.inner)
+        self.base = base_comm(self.inner)
         self.all_gather_comm = all_gather
         self.reduce_scatter_comm = reduce_scatter
         self.name = name

@@ -45,13 +45,13 @@ class GatherSlot:
 
     __slots__ = (
         "_advise",
-        "_pending_version",
         "buffer",
         "device",
         "layout",
         "live",
         "output",
         "pending",
+        "pending_version",
         "version",
         "views",
     )
@@ -67,13 +67,8 @@ class GatherSlot:
         self.pending: T.PendingUnshard | None = None
         self.live = False
         self.version = -1
-        self._pending_version = -1
+        self.pending_version = -1  # the source version of the gather in flight
         self.output: torch.Tensor | None = None
-
-    @property
-    def pending_version(self) -> int:
-        """The source version of the gather in flight."""
-        return self._pending_version
 
     def alloc(self) -> torch.Tensor:
         """The buffer with its storage allocated (made on first use, re-grown after a free)."""
@@ -112,7 +107,7 @@ class GatherSlot:
         """
         if self.live or self.pending is not None:
             return
-        self._pending_version = version
+        self.pending_version = version
         into = self.alloc() if direct and isinstance(source, ShardedState) else None
         with torch.no_grad(), _preserve_version(into):
             self.pending = T.begin_unshard(source, comm, async_op=True, into=into)
@@ -127,7 +122,7 @@ class GatherSlot:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
                 T.copy_out(self.layout, pending.output, buf)
             self.output = pending.output if keep_output else None
-        self.version = self._pending_version
+        self.version = self.pending_version
         self.live = True
 
     def gather(

@@ -29,7 +29,7 @@ from ..records import (
 )
 from .autograd import UnshardFn, reduce_differentiably
 from .comm import ProcessGroupComm
-from .custom_comm import with_all_reduce_hook
+from .custom_comm import base_comm, with_all_reduce_hook
 from .functional_path import GatherCall
 from .gather import GatherSlot
 from .group_common import ReduceChain, TrainingState, _contiguous_stride, layout_for, traced
@@ -135,8 +135,8 @@ class ParamGroup:
         """The shared process-group communicators this group's collectives run on."""
         out = []
         for c in (self.comm, self.replicate_comm, self.sub_comm):
-            base = getattr(c, "base", c)  # a ScopedComm's (or a CustomCollectiveComm's) base
-            if isinstance(base, ProcessGroupComm):
+            base = base_comm(c)
+            if base is not None:
                 out.append(base)
         return out
 
