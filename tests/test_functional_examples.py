@@ -51,3 +51,12 @@ def test_int8_all_gather_example_runs() -> None:
     assert "bit for bit: True" in out
     fewer = float(out.split("KiB (")[1].split("x fewer")[0])
     assert fewer > 2.5, out
+
+
+def test_float8_all_gather_example_runs() -> None:
+    """examples/06_int8_all_gather.py --float8: torchao's float8 all-gather on CPU, equal to
+    torch FSDP2 with the same conversion, fewer bytes."""
+    out = _run("06_int8_all_gather.py", "--steps", "2", "--float8")
+    assert "float8 under functional_fsdp == float8 under torch FSDP2, bit for bit: True" in out
+    fewer = float(out.split("KiB (")[1].split("x fewer")[0])
+    assert fewer > 2.5, out
