@@ -128,7 +128,7 @@ def case_bad(mode: str) -> str:
             return (q, s), meta
 
         def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):  # type: ignore[override]
-            if mode == "post_raises":
+            if mode == "post_raises" or (mode == "post_raises_rank0" and dist.get_rank() == 0):
                 raise RuntimeError("post boom")
             return super().fsdp_post_all_gather(outputs, metadata, param_dtype, out=out)
 
@@ -140,7 +140,9 @@ def case_bad(mode: str) -> str:
         if mode == "later_wrong":
             lin._bad_now = dist.get_rank() == 0  # only rank 0's hook misbehaves
         before = lin.weight.to_local()._data.clone()
-        lin(torch.randn(2, 4))
+        # The peer of a rank whose post hook failed goes on to the reduce-scatter: it must be
+        # told (PeerAbortedError), not wait out the collective timeout.
+        lin(torch.randn(2, 4)).sum().backward()
     except GatherCodecError as e:
         if mode != "ranks_differ":
             assert torch.equal(lin.weight.to_local()._data, before)
@@ -150,8 +152,12 @@ def case_bad(mode: str) -> str:
     return "no error"
 
 
-@pytest.mark.parametrize("mode", ["ranks_differ", "later_wrong", "post_raises"])
+@pytest.mark.parametrize(
+    "mode", ["ranks_differ", "later_wrong", "post_raises", "post_raises_rank0"]
+)
 def test_bad_hooks_raise_named_errors_on_both_ranks(world2: World, mode: str) -> None:
     out = world2.run(case_bad, mode, timeout=90)
     assert all(o != "no error" for o in out), out
     assert any(o.startswith("GatherCodecError") for o in out), out
+    if mode == "post_raises_rank0":
+        assert out[1] == "PeerAbortedError", out

@@ -151,6 +151,15 @@ class CodecSlot(GatherSlot):
         self.pending = None
         assert pending is not None, "CodecSlot.wait: no gather in flight"
         pending.work.wait()
+        try:
+            self._land(pending)
+        except GatherCodecError:  # a post hook failed: the peers must not wait for this rank
+            _abort_peers(self._bases())
+            raise
+        self.version = self.pending_version
+        self.live = True
+
+    def _land(self, pending: Any) -> None:
         lay = self.layout
         with torch.no_grad():
             if self.outputs is None:
@@ -168,8 +177,6 @@ class CodecSlot(GatherSlot):
                     C.split_outputs(lay, pending.output, self.outputs)
                     out = [v if c else None for v, c in zip(self.views, self.codecs)]
                     C.decode_outputs(lay, self.outputs, self.codecs, pending.metadata, out=out)
-        self.version = self.pending_version
-        self.live = True
 
     def free(self) -> None:
         """Free the gathered outputs' and the decoded tensors' storage."""
