@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from . import errors
 from ._tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from .comm import Communicator, Work
+from .compression import GradCompression
 from .records import (
     CPUOffloadPolicy,
     GroupLayout,
@@ -96,6 +97,7 @@ __all__ = [
     "ChecksummingFileSystemWriter",
     "Communicator",
     "FSDPModule",
+    "GradCompression",
     "GroupLayout",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

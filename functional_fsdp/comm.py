@@ -12,13 +12,14 @@ Every communicator declares ``supports_pieces``. One that sets it also implement
 rank ``r``'s ``inputs[i]``) and ``reduce_scatter_pieces(outputs, inputs, op)`` (``outputs[i]``
 receives the reduction over ranks of their ``inputs[rank][i]``). The core then gathers straight
 into the unsharded buffer and sends gradient rows without packing them; otherwise it packs and
-uses the three collectives below. (A declared flag, not an ``isinstance`` check against the
+uses the packed collectives below (``all_to_all`` carries compressed gradients). (A declared flag, not an ``isinstance`` check against the
 protocol: that costs about 20 microseconds per collective on Python 3.11.) Every collective may run asynchronously
 (``async_op=True`` returns a :class:`Work`); the output is valid only after ``wait()``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, cast, runtime_checkable
 
 import torch
@@ -29,6 +30,7 @@ __all__ = [
     "Communicator",
     "DoneWork",
     "PiecesCommunicator",
+    "ThenWork",
     "Work",
     "check_comm",
     "uses_pieces",
@@ -50,6 +52,24 @@ class DoneWork:
 
     def wait(self) -> None:
         """Nothing to wait for."""
+
+
+class ThenWork:
+    """A :class:`Work` that waits for ``work``, then runs ``then`` once (e.g. decoding what a
+    collective received)."""
+
+    __slots__ = ("_then", "_work")
+
+    def __init__(self, work: Work, then: Callable[[], None]) -> None:
+        self._work = work
+        self._then: Callable[[], None] | None = then
+
+    def wait(self) -> None:
+        """Wait for the collective, then run the continuation (once)."""
+        self._work.wait()
+        then, self._then = self._then, None
+        if then is not None:
+            then()
 
 
 @runtime_checkable
@@ -90,6 +110,13 @@ class Communicator(Protocol):
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Work:
         """Reduce ``tensor`` in place over ranks."""
+        ...
+
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
+        """Chunk ``r`` of ``input`` (1-D, ``ws * n``) goes to rank ``r``; chunk ``r`` of
+        ``output`` (1-D, ``ws * n``) comes from rank ``r`` (this rank's own chunk: a copy)."""
         ...
 
 

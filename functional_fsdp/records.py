@@ -259,6 +259,9 @@ class ShardedState:
             ``None`` when the group has no gradients.
         partial: HSDP reduce-scattered gradients not yet all-reduced across replicas
             (``set_requires_all_reduce(False)``), in the reduce dtype; ``None`` otherwise.
+        residual: the error feedback of compressed gradient reduction
+            (:class:`~functional_fsdp.compression.GradCompression`): what encoding dropped
+            last time, fp32, the group's padded unsharded gradient size; ``None`` otherwise.
     """
 
     layout: GroupLayout = attrs.field(metadata=STATIC)
@@ -266,6 +269,7 @@ class ShardedState:
     flat: torch.Tensor
     grads: tuple[torch.Tensor | None, ...] | None = None
     partial: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
 
     def __attrs_post_init__(self) -> None:
         lay = self.layout
@@ -284,6 +288,14 @@ class ShardedState:
                     raise LayoutMismatchError(
                         f"sharded grad of {s.fqn!r} has shape {tuple(g.shape)}, expected padded {shape}"
                     )
+        if self.residual is not None:
+            numel = lay.world_size * sum(L.prod(sh) for sh in lay.shard_shapes)
+            if self.residual.dtype != torch.float32 or tuple(self.residual.shape) != (numel,):
+                raise LayoutMismatchError(
+                    f"ShardedState.residual must be an fp32 vector of {numel} elements (the "
+                    f"group's padded unsharded gradient), got {self.residual.dtype} "
+                    f"{tuple(self.residual.shape)}"
+                )
 
     def shard(self, i: int) -> torch.Tensor:
         """Padded shard of parameter ``i`` (a view into :attr:`flat`)."""

@@ -18,6 +18,7 @@ import torch
 
 from . import layout as L
 from .comm import Communicator, DoneWork, PiecesCommunicator, Work, check_comm, uses_pieces
+from .compression import GradCompression, begin_compressed_reduce
 from .errors import LayoutMismatchError, StateError
 from .records import GroupLayout, ShardedState
 
@@ -109,6 +110,7 @@ class PendingReduce:
     present: tuple[bool, ...]
     replicate_comm: Communicator | None
     all_reduce: bool
+    residual: torch.Tensor | None = None
 
 
 def begin_reduce(
@@ -123,12 +125,20 @@ def begin_reduce(
     reduce_unused: bool = False,
     async_op: bool = True,
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
+    compression: GradCompression | None = None,
 ) -> PendingReduce:
     """Pack gradients, pre-divide and issue the group's one reduce-scatter.
 
     ``alloc(numel, dtype, device)`` makes the output buffer (the new sharded gradients); the
     shell injects one that advises the kernel about the fresh memory. Default: ``torch.empty``.
+    ``compression`` replaces the reduce-scatter by the compressed one of
+    :mod:`functional_fsdp.compression` (on more than one rank), with its residual taken from
+    and returned to ``sharded.residual``.
     """
+    if compression is not None and not isinstance(compression, GradCompression):
+        raise StateError(
+            f"compression must be a GradCompression or None, got {type(compression).__name__}"
+        )
     if not isinstance(sharded, ShardedState):
         raise StateError(f"reduce_grad writes into a ShardedState, got {type(sharded).__name__}")
     lay = sharded.layout
@@ -154,27 +164,62 @@ def begin_reduce(
     # happens to have): ranks on different paths would exchange mismatched messages.
     if (
         ws > 1
+        and compression is None
         and uses_pieces(comm, lay.unsharded_bytes)
         and all(d == 0 for d in lay.shard_dims)
         and factors.pre in (None, 1)
         and factors.premul is None
     ):
-        out, pieces = _reduce_pieces(
+        out, work = _reduce_pieces(
             glist, sharded, cast(PiecesCommunicator, comm), factors, rdtype, device, alloc, async_op
         )
-        return PendingReduce(sharded, out, pieces, factors, present, replicate_comm, all_reduce)
+        residual = sharded.residual
+    else:
+        out, work, residual = _reduce_packed(
+            glist, sharded, comm, factors, device, alloc or _empty, async_op, compression
+        )
+    return PendingReduce(sharded, out, work, factors, present, replicate_comm, all_reduce, residual)
+
+
+def _reduce_packed(
+    glist: Sequence[torch.Tensor | None],
+    sharded: ShardedState,
+    comm: Communicator,
+    factors: L.DivideFactors,
+    device: torch.device,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor],
+    async_op: bool,
+    compression: GradCompression | None,
+) -> tuple[torch.Tensor, Work, torch.Tensor | None]:
+    """Pack the gradients, pre-divide, issue the reduce-scatter (compressed on more than one
+    rank when ``compression`` is set): output buffer, work, new residual."""
+    lay = sharded.layout
+    compressed = compression is not None and lay.world_size > 1
     inp = pack_grads(glist, lay, device=device)
+    if compressed and inp.dtype != torch.float32:
+        inp = inp.float()
     if factors.pre is not None and factors.pre != 1:
         inp.div_(factors.pre)
     if factors.premul is not None:
         inp.mul_(factors.premul)
-    out = (alloc or _empty)(inp.numel() // lay.world_size, inp.dtype, inp.device)
+    if compressed:
+        assert compression is not None
+        return begin_compressed_reduce(
+            inp,
+            sharded.residual,
+            comm,
+            compression,
+            op=factors.op,
+            async_op=async_op,
+            alloc=alloc,
+        )
+    out = alloc(inp.numel() // lay.world_size, inp.dtype, inp.device)
     if lay.world_size == 1:
         out.copy_(inp)
         work: Work = DoneWork()
     else:
         work = comm.reduce_scatter(out, inp, op=factors.op, async_op=async_op)
-    return PendingReduce(sharded, out, work, factors, present, replicate_comm, all_reduce)
+    return out, work, sharded.residual
 
 
 def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> ShardedState:
@@ -187,7 +232,7 @@ def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> Sharded
         if sharded.partial is not None:
             out = out + sharded.partial
         if not pending.all_reduce:
-            return attrs.evolve(sharded, partial=out)
+            return attrs.evolve(sharded, partial=out, residual=pending.residual)
         if pending.replicate_comm.world_size > 1:
             pending.replicate_comm.all_reduce(out, op=factors.all_reduce_op).wait()
     if factors.post is not None and factors.post != 1:
@@ -206,7 +251,7 @@ def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> Sharded
             prev = old[i]
             new.append(g + prev if (accumulate and prev is not None) else g)
         off += n
-    return attrs.evolve(sharded, grads=tuple(new), partial=partial)
+    return attrs.evolve(sharded, grads=tuple(new), partial=partial, residual=pending.residual)
 
 
 def accumulate_local_grads(
@@ -251,6 +296,7 @@ def reduce_grad(
     all_reduce: bool = True,
     reduce_unused: bool = False,
     accumulate: bool = True,
+    compression: GradCompression | None = None,
 ) -> ShardedState:
     """Average full gradients over ranks and keep this rank's shard.
 
@@ -269,6 +315,9 @@ def reduce_grad(
         all_reduce: for HSDP, whether to all-reduce now.
         reduce_unused: reduce (zeros for) parameters without a gradient too.
         accumulate: add to existing sharded grads instead of replacing them.
+        compression: reduce-scatter in a narrow format with error feedback (beyond FSDP2; see
+            :mod:`functional_fsdp.compression`); the residual is read from and returned in
+            :attr:`ShardedState.residual`.
     """
     pending = begin_reduce(
         grads,
@@ -280,6 +329,7 @@ def reduce_grad(
         all_reduce=all_reduce,
         reduce_unused=reduce_unused,
         async_op=False,
+        compression=compression,
     )
     return finish_reduce(pending, accumulate=accumulate)
 

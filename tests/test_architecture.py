@@ -14,7 +14,18 @@ import pytest
 
 PACKAGE = "functional_fsdp"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
-CORE = ("_tree", "errors", "layout", "records", "reduction", "transitions", "comm")
+CORE = (
+    "_tree",
+    "errors",
+    "layout",
+    "records",
+    "compression",
+    "reduction",
+    "transitions",
+    "comm",
+    "codec",
+    "tp",
+)
 FORBIDDEN = ("torch.distributed", "torch.cuda", f"{PACKAGE}.shell")
 
 # Which core modules each core module may import (the dependency direction).
@@ -24,7 +35,10 @@ ALLOWED_INTERNAL = {
     "comm": {"errors"},
     "layout": {"errors"},
     "records": {"errors", "_tree", "layout"},
-    "reduction": {"errors", "_tree", "layout", "records", "comm"},
+    "compression": {"errors", "layout", "records", "comm"},
+    "reduction": {"errors", "_tree", "layout", "records", "comm", "compression"},
+    "codec": {"errors", "layout", "records", "comm"},
+    "tp": {"errors", "layout", "records", "comm"},
     "transitions": {"errors", "_tree", "layout", "records", "reduction", "comm"},
 }
 

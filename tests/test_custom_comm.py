@@ -269,6 +269,28 @@ def case_share_comm_ctx() -> dict:
     return res
 
 
+def case_cuda_knobs() -> dict:
+    """FSDP2's reduce-scatter knobs (max input buffers, separate group): the same numbers as
+    FSDP2 with them set, and the same exception types for bad values."""
+    out: dict[str, Any] = {}
+    errs: dict[str, list[str]] = {}
+    for which in ("torch", "ours"):
+        model = _build(which)
+        model.set_reduce_scatter_max_input_buffers(2)
+        model.set_separate_reduce_scatter_group(True)
+        out[which] = {"losses": _train(model), "params": _full_params(model)}
+        errs[which] = []
+        for bad in (True, 1.5, 0):
+            try:
+                model.set_reduce_scatter_max_input_buffers(bad)  # type: ignore[arg-type]
+                errs[which].append("none")
+            except (TypeError, ValueError) as e:
+                errs[which].append("TypeError" if isinstance(e, TypeError) else "ValueError")
+    res = _compare(out)
+    res["errors"] = errs
+    return res
+
+
 def _expect(exc: type[BaseException], fn: Any) -> str:
     try:
         fn()
@@ -390,6 +412,20 @@ def test_all_reduce_hook_matches_fsdp2(world2: World, mesh_shape, mp, micro) -> 
         # reduce dtype (fp32 also under bf16 compute).
         assert seen_o == seen_t and len(seen_o) == STEPS * (CFG.n_layers + 1), seen_o
         assert {d for _, d in seen_o} == {"torch.float32"}
+
+
+def test_reduce_scatter_knobs_match_fsdp2(world2: World) -> None:
+    for res in world2.run(case_cuda_knobs):
+        _bit_identical(res)
+        assert (
+            res["errors"]["ours"]
+            == res["errors"]["torch"]
+            == [
+                "TypeError",
+                "TypeError",
+                "ValueError",
+            ]
+        )
 
 
 def test_unshard_in_backward_matches_fsdp2(world2: World) -> None:

@@ -221,6 +221,55 @@ class ProcessGroupComm:
                 )
             time.sleep(0.005)
 
+    def _post(
+        self,
+        peers: list[int],
+        sends: list[list[torch.Tensor]],
+        recvs: list[list[torch.Tensor]],
+        base: int,
+    ) -> list:
+        """Post ``sends[k]`` to and ``recvs[k]`` from group rank ``peers[k]`` (piece ``i`` on
+        tag ``base + i``); the works."""
+        ops = []
+        for r, out, into in zip(peers, sends, recvs):
+            peer = self._global_ranks[r]
+            for i, t in enumerate(out):
+                if t.numel():
+                    ops.append(dist.P2POp(dist.isend, t, peer, self.group, base + i))
+            for i, o in enumerate(into):
+                if o.numel():
+                    ops.append(dist.P2POp(dist.irecv, o, peer, self.group, base + i))
+        return dist.batch_isend_irecv(ops) if ops else []
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        *,
+        async_op: bool = False,
+        key: int = 0,
+        kind: int = 0,
+    ) -> Work:
+        """Chunk ``r`` of 1-D ``input`` goes to rank ``r``; chunk ``r`` of ``output`` comes
+        from rank ``r`` (point to point on gloo: gloo's all-to-all has no bounded wait)."""
+        me, ws = self._rank, self._world_size
+        outs, ins = output.view(ws, -1), input.view(ws, -1)
+        if ws == 1:
+            outs.copy_(ins)
+            return DoneWork()
+        if not self._p2p:
+            w = dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
+            return _done(w, async_op)
+        peers = [r for r in range(ws) if r != me]
+        works = self._post(
+            peers, [[ins[r]] for r in peers], [[outs[r]] for r in peers], self._tags(1, key, kind)
+        )
+        outs[me].copy_(ins[me])
+        work = _ThenWork(works, comm=self, what=f"all-to-all of group {key}")
+        if not async_op:
+            work.wait()
+        return work
+
     def all_gather_pieces(
         self,
         outputs: list[list[torch.Tensor]],
@@ -237,18 +286,8 @@ class ProcessGroupComm:
                 o.copy_(t)
             return DoneWork()
         base = self._tags(len(inputs), key, kind)
-        ops = []
-        for r in range(ws):
-            if r == me:
-                continue
-            peer = self._global_ranks[r]
-            for i, t in enumerate(inputs):
-                if t.numel():
-                    ops.append(dist.P2POp(dist.isend, t, peer, self.group, base + i))
-            for i, o in enumerate(outputs[r]):
-                if o.numel():
-                    ops.append(dist.P2POp(dist.irecv, o, peer, self.group, base + i))
-        works = dist.batch_isend_irecv(ops) if ops else []
+        peers = [r for r in range(ws) if r != me]
+        works = self._post(peers, [inputs] * len(peers), [outputs[r] for r in peers], base)
         # The local copy runs while the peers' pieces are on the wire.
         for o, t in zip(outputs[me], inputs):
             o.copy_(t)
@@ -290,15 +329,7 @@ class ProcessGroupComm:
                     views.append(row.narrow(0, off, o.numel()))
                     off += o.numel()
                 slots.append(views)
-        ops = []
-        for k, r in enumerate(peers):
-            peer = self._global_ranks[r]
-            for i, t in enumerate(inputs[r]):
-                if t.numel():
-                    ops.append(dist.P2POp(dist.isend, t, peer, self.group, base + i))
-            for i, o in enumerate(slots[k]):
-                if o.numel():
-                    ops.append(dist.P2POp(dist.irecv, o, peer, self.group, base + i))
+        works = self._post(peers, [inputs[r] for r in peers], slots, base)
 
         def then() -> None:
             for i, out in enumerate(outputs):
@@ -313,12 +344,7 @@ class ProcessGroupComm:
                 if op == "avg":
                     out.div_(ws)
 
-        work = _ThenWork(
-            dist.batch_isend_irecv(ops) if ops else [],
-            then,
-            comm=self,
-            what=f"reduce-scatter of group {key}",
-        )
+        work = _ThenWork(works, then, comm=self, what=f"reduce-scatter of group {key}")
         if not async_op:
             work.wait()
         return work

@@ -46,7 +46,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ..comm import Communicator, DoneWork, Work
+from ..comm import Communicator, DoneWork, ThenWork, Work
 from ..errors import CollectiveError, LayoutMismatchError, PolicyError
 from ..reduction import PendingReduce
 from .comm import ProcessGroupComm
@@ -270,6 +270,12 @@ class CustomCollectiveComm:
         """The wrapped communicator's all-reduce (FSDP2 has no custom all-reduce object)."""
         return self.inner.all_reduce(tensor, op=op, async_op=async_op)
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
+        """The wrapped communicator's all-to-all (compressed gradient reduction)."""
+        return self.inner.all_to_all(output, input, async_op=async_op)
+
     @staticmethod
     def _finish(work: _CustomWork, async_op: bool) -> Work:
         if async_op:
@@ -279,22 +285,6 @@ class CustomCollectiveComm:
 
 
 # ---------------------------------------------------------------------- all-reduce hook
-
-
-class _HookedWork:
-    """Wait for the reduce-scatter, (add the kept HSDP partial sum,) then run the hook."""
-
-    __slots__ = ("_then", "_work")
-
-    def __init__(self, work: Work, then: Callable[[], None]) -> None:
-        self._work = work
-        self._then: Callable[[], None] | None = then
-
-    def wait(self) -> None:
-        self._work.wait()
-        then, self._then = self._then, None
-        if then is not None:
-            then()
 
 
 class _HookedAllReduce:
@@ -334,6 +324,12 @@ class _HookedAllReduce:
         self._run_hook(tensor)
         return DoneWork()
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
+        """The wrapped communicator's."""
+        return self.inner.all_to_all(output, input, async_op=async_op)
+
 
 def with_all_reduce_hook(
     pending: PendingReduce,
@@ -371,7 +367,7 @@ def with_all_reduce_hook(
 
     out, rep = pending.output, pending.replicate_comm
     if rep is None:
-        return attrs.evolve(pending, work=_HookedWork(pending.work, lambda: run_hook(out)))
+        return attrs.evolve(pending, work=ThenWork(pending.work, lambda: run_hook(out)))
     if not pending.all_reduce:
         return pending
     if rep.world_size > 1:
@@ -387,6 +383,6 @@ def with_all_reduce_hook(
 
     return attrs.evolve(
         pending,
-        work=_HookedWork(pending.work, then),
+        work=ThenWork(pending.work, then),
         sharded=attrs.evolve(pending.sharded, partial=None),
     )

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
@@ -338,6 +339,14 @@ class GatherCall:
 
     def gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """All-gather the (unwrapped) sources into this call's slot; return the full params."""
+        if self.group.grad_compression is not None:
+            raise UnsupportedError(
+                f"group {self.group.name!r} compresses its gradient reduction "
+                "(set_gradient_compression), whose error-feedback residual is state that "
+                "functional_call / torch.func / the functional step do not carry yet; call "
+                "set_gradient_compression(None) on the model, or train it with the module "
+                "path (loss.backward())"
+            )
         with torch.profiler.record_function(f"FSDP::all_gather ({self.group.name})"):
             return self._gather(sources)
 
@@ -403,6 +412,8 @@ class GatherCall:
         else:
             new = T.finish_reduce(pending, accumulate=False)
             locals_ = [new.local_grad(i) for i in range(len(g.layout))]
+            if self.forward is None:  # the group's own state: keep the new residual
+                g.state = attrs.evolve(g.state, residual=new.residual)
         return tuple(None if loc is None else g.dtensor(loc, i) for i, loc in enumerate(locals_))
 
 

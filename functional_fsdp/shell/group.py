@@ -20,6 +20,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from .. import transitions as T
 from ..comm import Communicator
+from ..compression import GradCompression
 from ..records import (
     CPUOffloadPolicy,
     GroupLayout,
@@ -126,6 +127,10 @@ class ParamGroup:
         self.all_reduce_hook: Any = None
         self.unshard_in_backward = True
         self.allocate_from_process_group = False  # accepted FSDP2 hint; no effect (module.py)
+        self.reduce_scatter_max_input_buffers = 1  # accepted FSDP2 knobs; no effect (module.py)
+        self.separate_reduce_scatter_group = False
+        # Beyond FSDP2: compressed reduce-scatter (its residual lives in self.state).
+        self.grad_compression: GradCompression | None = None
 
     def summon_comm(self) -> Communicator:
         """The shard group's communicator for ``summon_full_params`` (tags of their own)."""
@@ -200,7 +205,10 @@ class ParamGroup:
             specs = [attrs.evolve(s, dtype=d) for s, d in zip(self.layout.specs, dtypes)]
             self._set_layout(layout_for(specs, self.layout.world_size, self.mp_policy))
         state = T.pack_locals(locals_, self.layout, self.state.rank, device=device)
-        self.state = state
+        residual = self.state.residual
+        self.state = state = attrs.evolve(
+            state, residual=None if residual is None else residual.to(self.device)
+        )
         new_params = []
         for i, p in enumerate(params):
             if not isinstance(p, nn.Parameter) or not isinstance(p, DTensor):
@@ -416,12 +424,21 @@ class ParamGroup:
             reduce_unused=self.reduce_unused,
             async_op=async_op,
             alloc=self._alloc_advised,
+            compression=self.grad_compression,
         )
         if self.all_reduce_hook is None:
             return pending
         return with_all_reduce_hook(
             pending, self.all_reduce_hook, bases=self.base_comms(), name=self.name
         )
+
+    def set_grad_compression(self, compression: GradCompression | None) -> None:
+        """Compress this group's reduce-scatter from now on (``None``: exact; drops the
+        residual). The reduction in flight finishes with the policy it started with."""
+        self.finish_reduce()
+        self.grad_compression = compression
+        if compression is None or not compression.error_feedback:
+            self.state = attrs.evolve(self.state, residual=None)
 
     def gradients_captured(self) -> bool:
         """Whether the running backward is ``torch.autograd.grad`` (which returns gradients to
@@ -467,7 +484,7 @@ class ParamGroup:
         if pending is None:
             return
         new = T.finish_reduce(pending, accumulate=False)
-        self.state = attrs.evolve(self.state, partial=new.partial)
+        self.state = attrs.evolve(self.state, partial=new.partial, residual=new.residual)
         if new.grads is None:
             return
         current = [None if p.grad is None else p.grad._local_tensor for p in self.params]  # type: ignore[attr-defined]

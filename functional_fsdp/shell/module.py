@@ -17,7 +17,8 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from ..errors import PolicyError, StateError
+from ..compression import GradCompression
+from ..errors import PolicyError, StateError, UnsupportedError
 from ._copy import deepcopy_fsdp_module
 from .custom_comm import CustomCollectiveComm, check_custom_comm, unwrap
 from .group import ParamGroup
@@ -198,6 +199,39 @@ class FSDPModule(TorchFSDPModule):
         for g in _groups(self, recurse):  # type: ignore[arg-type]
             g.reduce_unused = reduce_scatter_unused_params
 
+    def set_gradient_compression(
+        self, compression: GradCompression | None, *, recurse: bool = True
+    ) -> None:
+        """Beyond FSDP2: reduce-scatter gradients in a narrow format with error feedback.
+
+        ``compression`` is a :class:`~functional_fsdp.compression.GradCompression` (e.g. int8
+        with one fp32 scale per 256 elements: 3.94x fewer bytes than fp32) or ``None`` for
+        FSDP2's exact reduction (which also drops the residual). Call it with the same policy
+        on every rank. The residual of the error feedback lives in each group's
+        :class:`~functional_fsdp.records.ShardedState` (one fp32 buffer of the group's
+        unsharded gradient size); it is not part of ``state_dict``.
+
+        Raises:
+            PolicyError: ``compression`` is not a ``GradCompression``, or a group has a custom
+                reduce-scatter (``set_custom_reduce_scatter``), which it would replace (checked
+                on every group before any change).
+        """
+        if compression is not None and not isinstance(compression, GradCompression):
+            raise PolicyError(
+                "set_gradient_compression expects a functional_fsdp.GradCompression or None, "
+                f"got {type(compression).__name__}"
+            )
+        groups = list(_groups(self, recurse))  # type: ignore[arg-type]
+        for g in groups:
+            if compression is not None and getattr(g.comm, "reduce_scatter_comm", None):
+                raise PolicyError(
+                    f"set_gradient_compression: group {g.name!r} has a custom reduce-scatter "
+                    "(set_custom_reduce_scatter); remove it first (set_custom_reduce_scatter"
+                    "(None)) or leave compression off for that module (recurse=False)"
+                )
+        for g in groups:
+            g.set_grad_compression(compression)
+
     def set_post_optim_event(self, event: Any) -> None:
         """Accepted for compatibility; CPU collectives need no cross-stream event."""
         del event
@@ -232,6 +266,13 @@ class FSDPModule(TorchFSDPModule):
             PolicyError: ``comm`` has no ``allocate`` method or is not callable.
         """
         check_custom_comm(comm, "set_custom_reduce_scatter")
+        g = self._ffsdp_state.group
+        if comm is not None and g is not None and g.grad_compression is not None:
+            raise PolicyError(
+                f"set_custom_reduce_scatter: group {g.name!r} compresses its gradient reduction "
+                "(set_gradient_compression), which the custom reduce-scatter would replace; call "
+                "set_gradient_compression(None) first"
+            )
         self._set_custom(reduce_scatter=comm)
 
     def _set_custom(self, **kw: Any) -> None:
@@ -313,19 +354,49 @@ class FSDPModule(TorchFSDPModule):
             )
         g.allocate_from_process_group = bool(enable)
 
-    # FSDP2 methods not implemented yet: a clear error, never torch's internals.
+    # FSDP2's CUDA performance knobs: validated as FSDP2 does; the engine needs none of them.
 
-    def set_reduce_scatter_max_input_buffers(self, *args: Any, **kwargs: Any) -> None:
-        """Not supported (a CUDA memory knob of FSDP2)."""
-        raise _not_yet("set_reduce_scatter_max_input_buffers")
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """Accepted (validated as in FSDP2); no effect here.
 
-    def set_separate_reduce_scatter_group(self, *args: Any, **kwargs: Any) -> None:
-        """Not supported (a CUDA process-group knob of FSDP2)."""
-        raise _not_yet("set_separate_reduce_scatter_group")
+        FSDP2 recycles one reduce-scatter input buffer, so the next copy-in waits for the
+        previous reduce-scatter; this raises the number kept. Our engine packs each reduction
+        into a fresh buffer (or sends straight from the gradients) and keeps one reduction in
+        flight per root, so there is no recycle wait to remove.
 
-    def set_symm_mem_for_comm(self, *args: Any, **kwargs: Any) -> None:
-        """Not supported (NCCL symmetric memory)."""
-        raise _not_yet("set_symm_mem_for_comm")
+        Raises:
+            TypeError: ``max_input_buffers`` is not an int (``bool`` included).
+            PolicyError: it is below 1.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise PolicyError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
+        for g in _groups(self, recurse):  # type: ignore[arg-type]
+            g.reduce_scatter_max_input_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Accepted; no effect here. FSDP2 gives the reduce-scatter its own NCCL communicator
+        so it can progress beside the all-gathers; on gloo our collectives are tagged
+        point-to-point messages that already progress concurrently on one group."""
+        for g in _groups(self, recurse):  # type: ignore[arg-type]
+            g.separate_reduce_scatter_group = bool(enable)
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Not supported: NCCL symmetric memory needs CUDA and NCCL, and our engine does not
+        allocate its staging buffers from it (FSDP2 without CUDA cannot use it either)."""
+        del backend
+        raise UnsupportedError(
+            "FSDPModule.set_symm_mem_for_comm is not supported by functional_fsdp: NCCL "
+            "symmetric memory needs CUDA and NCCL, and this engine does not allocate its "
+            "staging buffers from it (see docs/fsdp2_mapping.md); leave it unset"
+        )
 
     def _set_unshard_async_op(self, async_op: bool) -> None:
         raise _not_yet("_set_unshard_async_op")

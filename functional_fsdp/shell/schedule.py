@@ -120,6 +120,12 @@ class ScopedComm:
         """See :meth:`ProcessGroupComm.all_reduce`."""
         return self.base.all_reduce(tensor, op=op, async_op=async_op, key=self.key)
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
+        """See :meth:`ProcessGroupComm.all_to_all`."""
+        return self.base.all_to_all(output, input, async_op=async_op, key=self.key, kind=0)
+
     def all_gather_pieces(
         self,
         outputs: list[list[torch.Tensor]],

@@ -127,6 +127,16 @@ class SimulatedComm:
         tensor.copy_(_reduce(values, op))
         return DoneWork()
 
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
+        """Chunk ``r`` of every rank's ``input`` goes to rank ``r``, into ``output``'s chunk of
+        the sender."""
+        values = self._group._exchange(self._rank, input.detach().clone())
+        ws = len(values)
+        torch.cat([v.reshape(ws, -1)[self._rank] for v in values], out=output.view(-1))
+        return DoneWork()
+
 
 def _reduce(values: list[torch.Tensor], op: str) -> torch.Tensor:
     acc = values[0].clone()
