@@ -161,3 +161,61 @@ def test_bad_hooks_raise_named_errors_on_both_ranks(world2: World, mode: str) ->
     assert any(o.startswith("GatherCodecError") for o in out), out
     if mode == "post_raises_rank0":
         assert out[1] == "PeerAbortedError", out
+
+
+def _steps(m: nn.Module, steps: int = STEPS) -> list[float]:
+    import torch.distributed as dist
+
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1 + dist.get_rank())
+    losses = []
+    for _ in range(steps):
+        loss = m(torch.randn(6, 16, generator=g)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def case_hook_params_with_other_features() -> dict:
+    """Hook parameters under summon_full_params (the high-precision data, writeback), a
+    state_dict round trip, CPU offload, and functional_call (a named refusal)."""
+    from torch.func import functional_call
+
+    from functional_fsdp import CPUOffloadPolicy, fully_shard, summon_full_params
+    from functional_fsdp.errors import UnsupportedError
+
+    out: dict = {}
+    ref = _model(False)[0].weight.detach().clone()  # the fp32 values the subclass holds
+    m = _shard("ours", _model(True), False)
+    with summon_full_params(m, writeback=True):
+        out["summon_is_fp32_data"] = torch.equal(m[0].weight.detach(), ref)
+        m[0].weight.data.mul_(2)
+    with summon_full_params(m):
+        out["writeback_landed"] = torch.equal(m[0].weight.detach(), 2 * ref)
+    out["still_hooked"] = type(m[0].weight.to_local()).__name__
+    plain = _steps(_shard("ours", _model(True), False))
+    reloaded = _shard("ours", _model(True), False)
+    reloaded.load_state_dict(reloaded.state_dict())
+    out["reload_equal"] = _steps(reloaded) == plain
+    offloaded = _model(True)
+    for lin in (offloaded[0], offloaded[2]):
+        fully_shard(lin, offload_policy=CPUOffloadPolicy())
+    fully_shard(offloaded, offload_policy=CPUOffloadPolicy())
+    out["offload_equal"] = _steps(offloaded) == plain
+    params = {n: p.detach().clone() for n, p in m.named_parameters()}
+    try:
+        functional_call(m, params, (torch.randn(2, 16),))
+        out["functional_call"] = "no error"
+    except UnsupportedError as e:
+        out["functional_call"] = str(e)
+    return out
+
+
+def test_hook_parameters_with_summon_reload_offload(world2: World) -> None:
+    for res in world2.run(case_hook_params_with_other_features):
+        assert res["summon_is_fp32_data"] and res["writeback_landed"], res
+        assert res["still_hooked"] == "Int8RowwiseWeight", res
+        assert res["reload_equal"] and res["offload_equal"], res
+        assert "fsdp_pre_all_gather" in res["functional_call"], res

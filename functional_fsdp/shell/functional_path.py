@@ -339,6 +339,13 @@ class GatherCall:
 
     def gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """All-gather the (unwrapped) sources into this call's slot; return the full params."""
+        if self.group.layout.codec_inputs is not None:
+            raise UnsupportedError(
+                f"group {self.group.name!r} all-gathers tensor subclasses through their "
+                "fsdp_pre_all_gather / fsdp_post_all_gather hooks, which functional_call / "
+                "torch.func / the functional step do not run yet; train it with the module path "
+                "(loss.backward()), or use plain parameters for the functional path"
+            )
         if self.group.grad_compression is not None:
             raise UnsupportedError(
                 f"group {self.group.name!r} compresses its gradient reduction "

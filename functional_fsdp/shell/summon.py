@@ -247,8 +247,12 @@ def _forward_guard(module: nn.Module, args: Any) -> None:
 
 
 def _full_precision(layout: GroupLayout) -> GroupLayout:
-    """The layout with every parameter gathered in its original dtype (same sharded storage)."""
-    if all(d == s.dtype for d, s in zip(layout.gather_dtypes, layout.specs)):
+    """The layout with every parameter gathered in its original dtype (same sharded storage),
+    and without all-gather codecs: summon gives a tensor subclass's high-precision data (what
+    the shards hold), never its encoded all-gather."""
+    if layout.codec_inputs is None and all(
+        d == s.dtype for d, s in zip(layout.gather_dtypes, layout.specs)
+    ):
         return layout
     return GroupLayout.build(layout.specs, layout.world_size)
 
