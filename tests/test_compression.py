@@ -297,6 +297,36 @@ def case_training_tracks_exact(steps: int) -> dict:
     return losses
 
 
+def case_hsdp_and_accumulation(mesh_shape: tuple[int, int]) -> dict:
+    """HSDP (replicate, shard) and two micro-batches without gradient sync on the first: the
+    compressed model trains beside the exact one; a shard group of one rank stays exact."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    out: dict[str, Any] = {}
+    for name, policy in (("exact", None), ("int8", F.GradCompression())):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        for b in model.blocks:
+            F.fully_shard(b, mesh=mesh)
+        F.fully_shard(model, mesh=mesh)
+        if policy is not None:
+            model.set_gradient_compression(policy)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for s in range(3):
+            for mb in range(2):
+                model.set_requires_gradient_sync(mb == 1)
+                x, y = pattern_batch(CFG, 2, seed=10 * s + mb + dist.get_rank())
+                loss = model.loss(x, y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        out[name] = losses
+    return out
+
+
 def case_errors() -> list[str]:
     """Named errors, raised before any collective, nothing changed."""
     from test_custom_comm import AllReduceReduceScatter
@@ -349,6 +379,18 @@ def test_compressed_training_tracks_exact_reduction(world2: World) -> None:
         assert max(abs(a - b) for a, b in zip(exact, int8)) < 0.02 * exact[0]  # ...a little
         assert int8[-1] < int8[0] - 0.2, res  # and it trains
         assert all(r is None for r in res["residuals_after_off"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh_shape", [(1, 2), (2, 1)], ids=["hsdp-1x2", "hsdp-2x1"])
+def test_compressed_hsdp_with_accumulation(world2: World, mesh_shape) -> None:
+    for res in world2.run(case_hsdp_and_accumulation, mesh_shape):
+        exact, int8 = res["exact"], res["int8"]
+        if mesh_shape[1] == 1:
+            assert exact == int8, res  # a one-rank shard group sends nothing: exact
+        else:
+            assert exact != int8 and max(abs(a - b) for a, b in zip(exact, int8)) < 0.02, res
 
 
 @pytest.mark.multiprocess
