@@ -49,6 +49,7 @@ from ..errors import UnsupportedError
 from ..records import ShardedState
 from .autograd import GatherFn
 from .gather import GatherSlot
+from .group_common import refuse_functional_sources
 
 if TYPE_CHECKING:
     from .group import ParamGroup
@@ -339,21 +340,7 @@ class GatherCall:
 
     def gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """All-gather the (unwrapped) sources into this call's slot; return the full params."""
-        if self.group.layout.codec_inputs is not None:
-            raise UnsupportedError(
-                f"group {self.group.name!r} all-gathers tensor subclasses through their "
-                "fsdp_pre_all_gather / fsdp_post_all_gather hooks, which functional_call / "
-                "torch.func / the functional step do not run yet; train it with the module path "
-                "(loss.backward()), or use plain parameters for the functional path"
-            )
-        if self.group.grad_compression is not None:
-            raise UnsupportedError(
-                f"group {self.group.name!r} compresses its gradient reduction "
-                "(set_gradient_compression), whose error-feedback residual is state that "
-                "functional_call / torch.func / the functional step do not carry yet; call "
-                "set_gradient_compression(None) on the model, or train it with the module "
-                "path (loss.backward())"
-            )
+        refuse_functional_sources(self.group)
         with torch.profiler.record_function(f"FSDP::all_gather ({self.group.name})"):
             return self._gather(sources)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UnsupportedError
 from ..records import GroupLayout, MixedPrecisionPolicy, ParamSpec
 
 __all__ = ["ReduceChain", "TrainingState", "layout_for", "traced"]
@@ -93,3 +94,24 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(stride))
+
+
+def refuse_functional_sources(group: Any) -> None:
+    """Raise :class:`UnsupportedError` (before any collective) when ``group`` uses a feature
+    the functional path (``functional_call``, ``torch.func``, the functional step) cannot run
+    on caller-passed tensors: tensor-subclass all-gather hooks, compressed reduction."""
+    if group.layout.codec_inputs is not None:
+        raise UnsupportedError(
+            f"group {group.name!r} all-gathers tensor subclasses through their "
+            "fsdp_pre_all_gather / fsdp_post_all_gather hooks, which functional_call / "
+            "torch.func / the functional step do not run yet; train it with the module path "
+            "(loss.backward()), or use plain parameters for the functional path"
+        )
+    if group.grad_compression is not None:
+        raise UnsupportedError(
+            f"group {group.name!r} compresses its gradient reduction "
+            "(set_gradient_compression), whose error-feedback residual is state that "
+            "functional_call / torch.func / the functional step do not carry yet; call "
+            "set_gradient_compression(None) on the model, or train it with the module "
+            "path (loss.backward())"
+        )
