@@ -231,15 +231,30 @@ def test_hsdp_compresses_the_shard_reduction_only() -> None:
 # ----------------------------------------------------------------- the module path, 2 ranks
 
 
-def _build(compression: F.GradCompression | None) -> Any:
+def _build(compression: F.GradCompression | None, mesh: Any = None) -> Any:
     torch.manual_seed(0)
     model = GPT(CFG)
     for b in model.blocks:
-        F.fully_shard(b)
-    F.fully_shard(model)
+        F.fully_shard(b, mesh=mesh)
+    F.fully_shard(model, mesh=mesh)
     if compression is not None:
         model.set_gradient_compression(compression)
     return model
+
+
+def _train(model: Any, opt: Any, steps: int, micro: int = 1) -> list[float]:
+    """``steps`` optimizer steps of ``micro`` micro-batches each (gradient sync on the last)."""
+    losses = []
+    for s in range(steps):
+        for mb in range(micro):
+            model.set_requires_gradient_sync(mb == micro - 1)
+            x, y = pattern_batch(CFG, 4 // micro, seed=100 * s + 10 * mb + dist.get_rank())
+            loss = model.loss(x, y)
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def _local_grads(model: Any) -> list[torch.Tensor]:
@@ -280,16 +295,7 @@ def case_training_tracks_exact(steps: int) -> dict:
     losses = {}
     for name, policy in (("exact", None), ("int8", F.GradCompression())):
         model = _build(policy)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ls = []
-        for s in range(steps):
-            x, y = pattern_batch(CFG, 4, seed=100 * s + dist.get_rank())
-            loss = model.loss(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ls.append(loss.item())
-        losses[name] = ls
+        losses[name] = _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2), steps)
     # Switching it off drops every residual.
     model.set_gradient_compression(None)
     groups = [m._ffsdp_state.group for m in model.modules() if hasattr(m, "_ffsdp_state")]
@@ -305,25 +311,8 @@ def case_hsdp_and_accumulation(mesh_shape: tuple[int, int]) -> dict:
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
     out: dict[str, Any] = {}
     for name, policy in (("exact", None), ("int8", F.GradCompression())):
-        torch.manual_seed(0)
-        model = GPT(CFG)
-        for b in model.blocks:
-            F.fully_shard(b, mesh=mesh)
-        F.fully_shard(model, mesh=mesh)
-        if policy is not None:
-            model.set_gradient_compression(policy)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
-        for s in range(3):
-            for mb in range(2):
-                model.set_requires_gradient_sync(mb == 1)
-                x, y = pattern_batch(CFG, 2, seed=10 * s + mb + dist.get_rank())
-                loss = model.loss(x, y)
-                loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        out[name] = losses
+        model = _build(policy, mesh)
+        out[name] = _train(model, torch.optim.SGD(model.parameters(), lr=0.1), 3, micro=2)
     return out
 
 
