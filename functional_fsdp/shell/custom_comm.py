@@ -114,7 +114,48 @@ class _CustomWork:
             then()
 
 
-class CustomCollectiveComm:
+class _Delegating:
+    """A communicator wrapper: every collective is ``inner``'s unless a subclass overrides it.
+    Wrapped groups take the packed path (one flat buffer per collective, as FSDP2's)."""
+
+    supports_pieces = False
+    pieces_min_bytes = 0
+    inner: Communicator
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in the group."""
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group."""
+        return self.inner.world_size
+
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
+        """The wrapped communicator's."""
+        return self.inner.all_gather(output, input, async_op=async_op)
+
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, op: str = "sum", async_op: bool = False
+    ) -> Work:
+        """The wrapped communicator's."""
+        return self.inner.reduce_scatter(output, input, op=op, async_op=async_op)
+
+    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Work:
+        """The wrapped communicator's (FSDP2 has no custom all-reduce object)."""
+        return self.inner.all_reduce(tensor, op=op, async_op=async_op)
+
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+    ) -> Work:
+        """The wrapped communicator's (compressed gradient reduction)."""
+        return self.inner.all_to_all(output, input, async_op=async_op)
+
+
+class CustomCollectiveComm(_Delegating):
     """A group's communicator whose all-gather and/or reduce-scatter are a user's FSDP2
     ``AllGather`` / ``ReduceScatter`` objects (``None``: the wrapped communicator's own).
 
@@ -124,9 +165,6 @@ class CustomCollectiveComm:
         reduce_scatter: FSDP2 ``ReduceScatter`` object, or ``None``.
         name: the group's name (in error messages).
     """
-
-    supports_pieces = False  # the packed path: one flat buffer per collective, as FSDP2's
-    pieces_min_bytes = 0
 
     def __init__(
         self,
@@ -141,16 +179,6 @@ class CustomCollectiveComm:
         self.all_gather_comm = all_gather
         self.reduce_scatter_comm = reduce_scatter
         self.name = name
-
-    @property
-    def rank(self) -> int:
-        """This rank's index in the group."""
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the group."""
-        return self.inner.world_size
 
     @property
     def group(self) -> Any:
@@ -266,16 +294,6 @@ class CustomCollectiveComm:
 
         return self._finish(_CustomWork(self, work, then, what), async_op)
 
-    def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Work:
-        """The wrapped communicator's all-reduce (FSDP2 has no custom all-reduce object)."""
-        return self.inner.all_reduce(tensor, op=op, async_op=async_op)
-
-    def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
-    ) -> Work:
-        """The wrapped communicator's all-to-all (compressed gradient reduction)."""
-        return self.inner.all_to_all(output, input, async_op=async_op)
-
     @staticmethod
     def _finish(work: _CustomWork, async_op: bool) -> Work:
         if async_op:
@@ -287,48 +305,17 @@ class CustomCollectiveComm:
 # ---------------------------------------------------------------------- all-reduce hook
 
 
-class _HookedAllReduce:
+class _HookedAllReduce(_Delegating):
     """The replicate communicator, running the hook after its all-reduce (native HSDP)."""
-
-    supports_pieces = False
-    pieces_min_bytes = 0
 
     def __init__(self, inner: Communicator, run_hook: Callable[[torch.Tensor], None]) -> None:
         self.inner, self._run_hook = inner, run_hook
-
-    @property
-    def rank(self) -> int:
-        """This rank's index in the group."""
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the group."""
-        return self.inner.world_size
-
-    def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
-    ) -> Work:
-        """The wrapped communicator's."""
-        return self.inner.all_gather(output, input, async_op=async_op)
-
-    def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, *, op: str = "sum", async_op: bool = False
-    ) -> Work:
-        """The wrapped communicator's."""
-        return self.inner.reduce_scatter(output, input, op=op, async_op=async_op)
 
     def all_reduce(self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False) -> Work:
         """All-reduce, then the hook on the result."""
         self.inner.all_reduce(tensor, op=op, async_op=False).wait()
         self._run_hook(tensor)
         return DoneWork()
-
-    def all_to_all(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
-    ) -> Work:
-        """The wrapped communicator's."""
-        return self.inner.all_to_all(output, input, async_op=async_op)
 
 
 def with_all_reduce_hook(
