@@ -12,13 +12,6 @@ pytestmark = pytest.mark.timeout(120)
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def world2():
-    w = World(2)
-    yield w
-    w.close()
-
-
 def _model(int8: bool) -> nn.Module:
     from functional_fsdp.extensions import Int8RowwiseWeight
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _dist import World
 from _tp_helpers import (
     batch,
     build,
@@ -23,13 +22,6 @@ from _tp_helpers import (
 )
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module")
-def world():
-    w = World(4)
-    yield w
-    w.close()
 
 
 # ----------------------------------------------------------------------------- cases (ranks)
@@ -78,14 +70,14 @@ def _check(res: list[dict], loss_tol: float, param_tol: float) -> None:
     assert r["vs_ref"] <= param_tol, r
 
 
-def test_fp32_parity(world):
-    res = world.run(case_parity, "fp32", False)
+def test_fp32_parity(world4):
+    res = world4.run(case_parity, "fp32", False)
     print({k: res[0][k] for k in ("vs_torch", "vs_ref")})
     _check(res, 1e-5, 1e-5)
 
 
-def test_bf16_parity(world):
-    res = world.run(case_parity, "bf16", False)
+def test_bf16_parity(world4):
+    res = world4.run(case_parity, "bf16", False)
     print({k: res[0][k] for k in ("vs_torch", "vs_ref")})
     _check(res, 2e-2, 3e-2)
 
@@ -119,8 +111,8 @@ COMPOSE = {
 
 
 @pytest.mark.parametrize("name", list(COMPOSE))
-def test_composes_like_fsdp2(world, name):
-    res = world.run(case_compose, *COMPOSE[name])
+def test_composes_like_fsdp2(world4, name):
+    res = world4.run(case_compose, *COMPOSE[name])
     r = res[0]
     print(name, r["vs_torch"], max(abs(a - b) for a, b in zip(r["torch"], r["ours"])))
     assert all(x["placements_equal"] for x in res), r["placements"]
@@ -179,8 +171,8 @@ def case_dp_mesh_dims() -> dict:
     }
 
 
-def test_dp_mesh_dims_like_fsdp2(world):
-    res = world.run(case_dp_mesh_dims)
+def test_dp_mesh_dims_like_fsdp2(world4):
+    res = world4.run(case_dp_mesh_dims)
     r = res[0]
     print(r)
     assert all(x["placements_equal"] for x in res), r["placements"]
@@ -218,8 +210,8 @@ def case_summon_2d() -> dict:
     return {"in": ok_in, "grad": ok_grad, "back": ok_back, "grad_back": ok_grad_back}
 
 
-def test_summon_full_params_on_2d(world):
-    res = world.run(case_summon_2d)
+def test_summon_full_params_on_2d(world4):
+    res = world4.run(case_summon_2d)
     assert all(all(r.values()) for r in res), res
 
 
@@ -241,8 +233,8 @@ def case_compressed_2d() -> dict:
     }
 
 
-def test_compressed_reduction_on_2d(world):
-    for res in world.run(case_compressed_2d):
+def test_compressed_reduction_on_2d(world4):
+    for res in world4.run(case_compressed_2d):
         exact, comp = res["exact"], res["compressed"]
         assert exact != comp and max(abs(a - b) for a, b in zip(exact, comp)) < 0.02, res
         assert res["residuals"] and all(res["residuals"]), res

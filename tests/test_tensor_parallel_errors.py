@@ -11,17 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _dist import World
 from _tp_helpers import world_mesh
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module")
-def world():
-    w = World(4)
-    yield w
-    w.close()
 
 
 def _param(t: torch.Tensor, mesh, placements) -> nn.Parameter:
@@ -122,10 +114,10 @@ EXPECTED = {
 }
 
 
-def test_bad_2d_input_raises_named_errors_before_any_collective(world):
+def test_bad_2d_input_raises_named_errors_before_any_collective(world4):
     import functional_fsdp.errors as E
 
-    res = world.run(case_errors)
+    res = world4.run(case_errors)
     for r in res:
         assert r.pop("_in_step")
         assert r.keys() == EXPECTED.keys()

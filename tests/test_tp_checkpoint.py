@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from _dist import World
 from _tp_helpers import batch, build, reference_model, tp_plan, train, world_mesh
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -44,17 +43,10 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 @pytest.fixture(scope="module")
-def world():
-    w = World(4)
-    yield w
-    w.close()
-
-
-@pytest.fixture(scope="module")
-def saved(world, tmp_path_factory) -> tuple[str, dict]:
+def saved(world4, tmp_path_factory) -> tuple[str, dict]:
     """The 2-D checkpoints (``dcp``, ``ours``) and the reference full state dict."""
     path = str(tmp_path_factory.mktemp("tp_ckpt"))
-    res = world.run(case_save_2d, path)
+    res = world4.run(case_save_2d, path)
     assert all(r["full_is_global"] for r in res), res
     return path, torch.load(os.path.join(path, "full.pt"), weights_only=True)
 
@@ -245,26 +237,26 @@ def case_full_into_2d(path: str) -> list[str]:
 
 
 @pytest.mark.parametrize("how", ["dcp", "ours"])
-def test_2d_round_trip_with_optimizer(world, saved, how) -> None:
+def test_2d_round_trip_with_optimizer(world4, saved, how) -> None:
     path, _ = saved
-    assert world.run(case_load_2d, path, how, how, True) == [[]] * 4
+    assert world4.run(case_load_2d, path, how, how, True) == [[]] * 4
 
 
 @pytest.mark.parametrize("how", ["dcp", "ours"])
-def test_2d_into_tp_only(world, saved, how) -> None:
+def test_2d_into_tp_only(world4, saved, how) -> None:
     path, _ = saved
-    assert world.run(case_load_tp_only, path, how) == [[]] * 4
+    assert world4.run(case_load_tp_only, path, how) == [[]] * 4
 
 
 @pytest.mark.parametrize("how", ["dcp", "ours"])
-def test_2d_into_1d_and_back(world, saved, how) -> None:
+def test_2d_into_1d_and_back(world4, saved, how) -> None:
     path, _ = saved
-    assert world.run(case_load_1d_and_save, path, how) == [[]] * 4
-    assert world.run(case_load_2d, path, "from_1d_" + how, "ours", True) == [[]] * 4
+    assert world4.run(case_load_1d_and_save, path, how) == [[]] * 4
+    assert world4.run(case_load_2d, path, "from_1d_" + how, "ours", True) == [[]] * 4
 
 
 @pytest.mark.parametrize("how", ["dcp", "ours"])
-def test_2d_into_plain_and_back(world, saved, how) -> None:
+def test_2d_into_plain_and_back(world4, saved, how) -> None:
     """One process, no process group: DCP reads every 2-D shard into the full tensors."""
     path, full = saved
     model = reference_model()
@@ -280,9 +272,9 @@ def test_2d_into_plain_and_back(world, saved, how) -> None:
     # ... and the plain model's checkpoint loads into 2-D.
     out = os.path.join(path, "from_plain_" + how)
     save_checkpoint({"model": model.state_dict()}, out)
-    assert world.run(case_load_2d, path, "from_plain_" + how, how, False) == [[]] * 4
+    assert world4.run(case_load_2d, path, "from_plain_" + how, how, False) == [[]] * 4
 
 
-def test_full_state_dicts_into_2d(world, saved) -> None:
+def test_full_state_dicts_into_2d(world4, saved) -> None:
     path, _ = saved
-    assert world.run(case_full_into_2d, path) == [[]] * 4
+    assert world4.run(case_full_into_2d, path) == [[]] * 4

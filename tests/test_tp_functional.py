@@ -21,20 +21,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _dist import World
 from _tp_helpers import batch, build, full_params, world_mesh
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 STEPS = 3
 LR = 1e-2
-
-
-@pytest.fixture(scope="module")
-def world():
-    w = World(4)
-    yield w
-    w.close()
 
 
 def _full(t: Any) -> torch.Tensor:
@@ -195,8 +187,8 @@ def _clip_norm(model: nn.Module) -> float:
 # ----------------------------------------------------------------------------- tests
 
 
-def test_functional_call_grads_equal_backward_and_torch_func_is_refused_on_2d(world) -> None:
-    for r in world.run(case_func_grads_equal_backward):
+def test_functional_call_grads_equal_backward_and_torch_func_is_refused_on_2d(world4) -> None:
+    for r in world4.run(case_func_grads_equal_backward):
         assert r == {
             "autograd": [],
             "own": [],
@@ -207,8 +199,8 @@ def test_functional_call_grads_equal_backward_and_torch_func_is_refused_on_2d(wo
         }, r
 
 
-def test_global_norm_is_over_dp_and_tp(world) -> None:
-    for r in world.run(case_norms):
+def test_global_norm_is_over_dp_and_tp(world4) -> None:
+    for r in world4.run(case_norms):
         print(r)
         for sp in (True, False):
             n = r[f"sp={sp}"]
@@ -219,8 +211,8 @@ def test_global_norm_is_over_dp_and_tp(world) -> None:
         assert abs(r["sp=True"]["ours"] - r["clip"]) <= 2e-7 * r["clip"], r
 
 
-def test_train_step_on_2d_matches_module_path_and_fsdp2(world) -> None:
-    res = world.run(case_train_step)
+def test_train_step_on_2d_matches_module_path_and_fsdp2(world4) -> None:
+    res = world4.run(case_train_step)
     r = res[0]
     print({k: v for k, v in r.items()})
     assert all(x["functional"] == r["functional"] for x in res)
