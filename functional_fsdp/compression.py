@@ -31,7 +31,6 @@ from collections.abc import Callable
 import attrs
 import torch
 
-from . import layout as L
 from .comm import Communicator, ThenWork, Work
 from .errors import PolicyError
 from .records import GroupLayout
@@ -93,7 +92,7 @@ def wire_bytes(layout: GroupLayout, policy: GradCompression | None) -> int:
     """Bytes this rank sends per reduction of ``layout``'s group: the ``ws - 1`` rows it sends
     its peers, encoded by ``policy`` (``None``: fp32 rows in the reduce dtype, as FSDP2)."""
     ws = layout.world_size
-    numel = sum(L.prod(s) for s in layout.shard_shapes)
+    numel = layout.shard_numel
     if policy is None:
         return (ws - 1) * numel * layout.grad_reduce_dtype().itemsize
     return (ws - 1) * policy.row_bytes(numel)

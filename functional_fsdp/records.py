@@ -168,6 +168,11 @@ class GroupLayout:
         return self.gather_dtypes[0] if (self.specs and self.gather.uniform) else torch.uint8
 
     @property
+    def shard_numel(self) -> int:
+        """Elements of one rank's padded shards of every parameter (a reduce-scatter row)."""
+        return sum(L.prod(sh) for sh in self.shard_shapes)
+
+    @property
     def unsharded_bytes(self) -> int:
         """Bytes of the group's all-gather output (every rank's padded shards, gather dtypes)."""
         return self.world_size * self.gather.total * self.gather_buffer_dtype.itemsize
@@ -289,7 +294,7 @@ class ShardedState:
                         f"sharded grad of {s.fqn!r} has shape {tuple(g.shape)}, expected padded {shape}"
                     )
         if self.residual is not None:
-            numel = lay.world_size * sum(L.prod(sh) for sh in lay.shard_shapes)
+            numel = lay.world_size * lay.shard_numel
             if self.residual.dtype != torch.float32 or tuple(self.residual.shape) != (numel,):
                 raise LayoutMismatchError(
                     f"ShardedState.residual must be an fp32 vector of {numel} elements (the "

@@ -74,7 +74,7 @@ def pack_grads(
     present = [g for g in grads if g is not None]
     dev = device or (present[0].device if present else torch.device("cpu"))
     numels = [L.prod(s) for s in layout.shard_shapes]
-    total = sum(numels)
+    total = layout.shard_numel
     # torch._chunk_cat rejects empty tensors: zero-size gradients take the general path.
     fast = bool(present) and len(present) == len(grads) and all(g.numel() > 0 for g in present)
     if fast and all(d == 0 for d in layout.shard_dims):

@@ -223,7 +223,8 @@ class FSDPModule(TorchFSDPModule):
             )
         groups = list(_groups(self, recurse))  # type: ignore[arg-type]
         for g in groups:
-            if compression is not None and getattr(g.comm, "reduce_scatter_comm", None):
+            custom = isinstance(g.comm, CustomCollectiveComm) and g.comm.reduce_scatter_comm
+            if compression is not None and custom:
                 raise PolicyError(
                     f"set_gradient_compression: group {g.name!r} has a custom reduce-scatter "
                     "(set_custom_reduce_scatter); remove it first (set_custom_reduce_scatter"
