@@ -227,7 +227,9 @@ def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> Sharded
     pending.work.wait()
     sharded, out, factors = pending.sharded, pending.output, pending.factors
     lay = sharded.layout
-    partial = None
+    # Only an HSDP reduction consumes (adds, then clears) the partial sum; without a replicate
+    # group it is carried over like every other field this reduction does not touch.
+    partial = sharded.partial if pending.replicate_comm is None else None
     if pending.replicate_comm is not None:
         if sharded.partial is not None:
             out = out + sharded.partial

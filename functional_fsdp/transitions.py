@@ -449,8 +449,11 @@ def writeback(unsharded: UnshardedState, sharded: ShardedState | None = None) ->
 
     Args:
         unsharded: full tensors, e.g. edited in place inside ``summon_full_params``.
-        sharded: the sharded state to write into (default: ``unsharded.source``); its grads are
-            kept. Not mutated.
+        sharded: the sharded state to write into (default: ``unsharded.source``). Not mutated.
+
+    Returns:
+        ``sharded`` with only :attr:`~ShardedState.flat` replaced: grads, the HSDP partial sum,
+        the compression residual and the static fields are carried over as they are.
     """
     if not isinstance(unsharded, UnshardedState):
         raise StateError(f"writeback expects an UnshardedState, got {type(unsharded).__name__}")
@@ -470,7 +473,9 @@ def writeback(unsharded: UnshardedState, sharded: ShardedState | None = None) ->
         sharded.layout,
         sharded.rank,
     )
-    return attrs.evolve(fresh, grads=sharded.grads, partial=sharded.partial)
+    # Evolve the given state, not the fresh one, so a field added to ShardedState later is kept
+    # too (listing the fields to copy once dropped the compression residual).
+    return attrs.evolve(sharded, flat=fresh.flat)
 
 
 # ------------------------------------------------------------------------------------- helpers

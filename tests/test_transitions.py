@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from strategies import float_dtypes, mesh_shapes, param_trees, world_sizes
 
 from functional_fsdp import layout as L
+from functional_fsdp.compression import GradCompression
 from functional_fsdp.errors import (
     LayoutMismatchError,
 )
@@ -416,3 +417,100 @@ def test_training_does_not_depend_on_world_size() -> None:
         torch.testing.assert_close(got["w"], w, atol=1e-5, rtol=1e-5, msg=f"ws={ws}")
         torch.testing.assert_close(got["b"], b, atol=1e-5, rtol=1e-5, msg=f"ws={ws}")
     assert not torch.equal(results[1]["w"], _train_linear_regression(1, steps=0)["w"])  # it trained
+
+
+# -------------------------------------------------------------- fields a transition keeps
+
+
+def _with_every_field(state: ShardedState, seed: int, has: dict[str, bool]) -> ShardedState:
+    """``state`` with each optional field set (random values of the right shape) or ``None``."""
+    gen = torch.Generator().manual_seed(seed + state.rank)
+    lay = state.layout
+    grads = tuple(
+        torch.randn(shape, generator=gen).to(s.dtype) if i % 2 == 0 else None
+        for i, (shape, s) in enumerate(zip(lay.shard_shapes, lay.specs))
+    )
+    return attrs.evolve(
+        state,
+        grads=grads if has["grads"] else None,
+        partial=torch.randn(lay.shard_numel, generator=gen) if has["partial"] else None,
+        residual=torch.randn(lay.world_size * lay.shard_numel, generator=gen)
+        if has["residual"]
+        else None,
+    )
+
+
+def _assert_carried(before: Any, after: Any, changed: set[str]) -> None:
+    """Every field of ``after``'s record type that ``before`` has too, outside ``changed``, is
+    the same object (tensors, tuples, records) or an equal value (static metadata)."""
+    for f in attrs.fields(type(after)):
+        if f.name in changed or not hasattr(before, f.name):
+            continue
+        old, new = getattr(before, f.name), getattr(after, f.name)
+        if old is new:
+            continue
+        assert not isinstance(old, (torch.Tensor, tuple)) and old == new, (
+            f"{type(after).__name__}.{f.name} was not carried over: {old!r} -> {new!r}"
+        )
+
+
+_HAS = st.fixed_dictionaries({k: st.booleans() for k in ("grads", "partial", "residual")})
+
+
+@given(tree=param_trees(max_leaves=3), ws=world_sizes(max_size=4), seed=SEEDS, has=_HAS)
+@settings(max_examples=30)
+def test_transitions_carry_every_field_they_do_not_change(
+    tree: Any, ws: int, seed: int, has: dict[str, bool]
+) -> None:
+    """Each transition changes only the fields its docstring names; the rest (grads, the HSDP
+    partial sum, the compression residual, layout, rank, sources) come back as they went in."""
+    edited = random_like(tree, seed)
+    full_grads = random_like(tree, seed + 1, dtype=torch.float32)
+
+    def body(c):
+        s = _with_every_field(shard(tree, world_size=ws, rank=c.rank), seed, has)
+        u = unshard(s, c)
+        _assert_carried(s, u, {"params", "buffer", "source"})
+        assert u.source is s
+        assert reshard(u) is s
+        for k in divisors(ws):
+            pf = reshard(u, group_size=k)
+            _assert_carried(u, pf, {"group_size", "rows"})
+        wb = writeback(attrs.evolve(u, params=tuple(leaves(edited))))
+        _assert_carried(s, wb, {"flat"})
+        # Without HSDP or compression a reduction changes only the gradients.
+        reduced = reduce_grad(full_grads, attrs.evolve(s, grads=None), c, reduce_unused=True)
+        _assert_carried(attrs.evolve(s, grads=None), reduced, {"grads"})
+        if s.layout.grad_reduce_dtype() == torch.float32:
+            kept = reduce_grad(full_grads, s, c)
+            _assert_carried(s, kept, {"grads"})
+        if s.layout.grad_reduce_dtype() == torch.float32 and s.layout.shard_numel:
+            # Compression changes the residual too (error feedback), and nothing else. (A group
+            # of only empty parameters is left out: compression fails on it, a separate bug.)
+            squeezed = reduce_grad(full_grads, s, c, compression=GradCompression())
+            _assert_carried(s, squeezed, {"grads", "residual"})
+
+    SimulatedWorld(ws).run(body)
+
+
+@given(tree=param_trees(dtypes=FP32, max_leaves=3), mesh=mesh_shapes(max_size=4), seed=SEEDS)
+@settings(max_examples=15)
+def test_hsdp_reduction_carries_every_field_but_grads_and_partial(
+    tree: Any, mesh: tuple[int, int], seed: int
+) -> None:
+    replicas, ws = mesh
+    full_grads = random_like(tree, seed)
+    has = {"grads": True, "partial": False, "residual": True}
+
+    world = SimulatedWorld(replicas * ws, mesh_shape=mesh)
+
+    def body(c):
+        shard_comm, rep_comm = world.shard_comm(c.rank), world.replicate_comm(c.rank)
+        s = _with_every_field(shard(tree, world_size=ws, rank=shard_comm.rank), seed, has)
+        held = reduce_grad(full_grads, s, shard_comm, replicate_comm=rep_comm, all_reduce=False)
+        _assert_carried(s, held, {"partial"})
+        done = reduce_grad(full_grads, held, shard_comm, replicate_comm=rep_comm)
+        _assert_carried(held, done, {"grads", "partial"})
+        assert done.partial is None
+
+    world.run(body)
