@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
+import attrs
 import optree
 from optree.integrations import attrs as _optree_attrs
 
@@ -36,9 +37,43 @@ def register(cls: _T) -> _T:
 
     Use it on top of ``@attrs.frozen``: fields are children unless declared with
     ``attrs.field(metadata=STATIC)``. (Plain ``attrs`` decorators keep type checkers' attrs
-    support; this is what ``optree.integrations.attrs.frozen`` does in one step.)
+    support.)
+
+    Unflattening does *not* run the class's ``__init__``: no validators, no
+    ``__attrs_post_init__``. A pytree must map to any leaf type: ``tree_map(lambda t: t.shape,
+    state)`` builds a record of shapes, which a validator expecting tensors would refuse
+    (equinox's modules skip ``__init__`` on unflatten for the same reason). Records built by the
+    library's own functions, by their constructors or by ``attrs.evolve`` are still checked.
     """
-    return _optree_attrs.register_node(cls, namespace=NAMESPACE)  # type: ignore[return-value]
+    fields = attrs.fields(cls)
+    children = tuple(f.name for f in fields if f.metadata.get("pytree_node", True))
+    static = tuple(f.name for f in fields if not f.metadata.get("pytree_node", True))
+
+    def flatten(obj: Any) -> tuple[tuple[Any, ...], tuple[Any, ...], tuple[str, ...]]:
+        return (
+            tuple(getattr(obj, n) for n in children),
+            tuple(getattr(obj, n) for n in static),
+            children,
+        )
+
+    def unflatten(metadata: tuple[Any, ...], values: Any) -> Any:
+        # Frozen attrs classes set their fields with object.__setattr__ too (their own
+        # __setattr__ refuses); every field is set, static ones from the spec's metadata.
+        obj: Any = object.__new__(cls)
+        for name, value in zip(children, values):
+            object.__setattr__(obj, name, value)
+        for name, value in zip(static, metadata):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    optree.register_pytree_node(
+        cls,  # type: ignore[arg-type]
+        flatten,
+        unflatten,  # type: ignore[arg-type]
+        namespace=NAMESPACE,
+        path_entry_type=_optree_attrs.AttrsEntry,
+    )
+    return cls
 
 
 def tree_flatten(tree: Any) -> tuple[list[Any], optree.PyTreeSpec]:

@@ -4,7 +4,9 @@ State records (:class:`ShardedState`, :class:`UnshardedState`, :class:`PostForwa
 pytrees in :data:`functional_fsdp._tree.NAMESPACE`: their tensors are children, their layout and
 rank are static metadata. Layout records (:class:`ParamSpec`, :class:`GroupLayout`) hold only
 integers, dtypes and strings: they are hashable and answer shape questions without data.
-Invariants are checked when a record is built, so a record that exists is consistent.
+Invariants are checked when a record is built, so a record that exists is consistent. Only
+unflattening skips them (:func:`functional_fsdp._tree.register`): ``tree_map(lambda t: t.shape,
+state)`` is a record of shapes, as a pytree must allow.
 """
 
 from __future__ import annotations

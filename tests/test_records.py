@@ -346,3 +346,85 @@ def test_unsharded_tree_restores_the_user_structure(seed: int) -> None:
     assert optree.tree_structure(back) == optree.tree_structure(full)
     for a, b in zip(optree.tree_leaves(back), optree.tree_leaves(full)):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------- pytrees map to any leaf type (equinox)
+
+
+def _every_record() -> dict[str, object]:
+    """One instance of each pytree record, every optional tensor field set."""
+    u = _unsharded(2)[1]
+    s = u.source
+    assert s is not None
+    lay = s.layout
+    full = attrs.evolve(
+        s,
+        grads=(torch.randn(lay.shard_shapes[0]), None),
+        partial=torch.randn(lay.shard_numel),
+        residual=torch.randn(lay.world_size * lay.shard_numel),
+    )
+    return {
+        "ShardedState": full,
+        "UnshardedState": attrs.evolve(u, source=full),
+        "PostForwardState": PostForwardState(lay, 1, 1, torch.zeros(2 * lay.gather.total), full),
+    }
+
+
+def _assert_same_record(got: object, want: object) -> None:
+    """Same type and, field by field, the same objects (nested records compared the same way)."""
+    assert type(got) is type(want)
+    for f in attrs.fields(type(want)):
+        a, b = getattr(got, f.name), getattr(want, f.name)
+        if attrs.has(type(b)) and not isinstance(b, GroupLayout):
+            _assert_same_record(a, b)
+        elif isinstance(b, tuple):
+            assert len(a) == len(b) and all(x is y for x, y in zip(a, b)), f.name
+        else:
+            assert a is b or a == b, f.name
+
+
+@pytest.mark.parametrize("which", ["ShardedState", "UnshardedState", "PostForwardState"])
+@pytest.mark.parametrize(
+    "fn",
+    [lambda t: t.shape, lambda t: t.dtype, lambda t: None, lambda t: f"<{t.numel()}>"],
+    ids=["shape", "dtype", "none", "str"],
+)
+def test_tree_map_to_any_leaf_type(which: str, fn) -> None:
+    """Unflattening builds the record without its validators, so a tree of shapes, dtypes or
+    placeholders is a record of the same type with those leaves in place of the tensors."""
+    record = _every_record()[which]
+    want = [fn(t) for t in tree_leaves(record)]
+    for mapped in (tree_map(fn, record), optree.tree_map(fn, record, namespace=NAMESPACE)):
+        assert type(mapped) is type(record)
+        # None is not a leaf (the namespace's policy): mapped-to-None fields drop out
+        assert tree_leaves(mapped) == [w for w in want if w is not None]
+        assert mapped.layout is record.layout and mapped.rank == record.rank
+
+
+def test_tree_map_to_shapes_keeps_every_field() -> None:
+    s = _every_record()["ShardedState"]
+    shapes = optree.tree_map(lambda t: t.shape, s, namespace=NAMESPACE)
+    assert shapes.flat == s.flat.shape
+    assert shapes.grads == (s.grads[0].shape, None)
+    assert shapes.partial == s.partial.shape and shapes.residual == s.residual.shape
+    assert shapes.layout is s.layout and shapes.rank == s.rank
+
+
+@pytest.mark.parametrize("which", ["ShardedState", "UnshardedState", "PostForwardState"])
+def test_flatten_unflatten_round_trip_is_the_original(which: str) -> None:
+    record = _every_record()[which]
+    leaves, spec = tree_flatten(record)
+    _assert_same_record(tree_unflatten(spec, leaves), record)
+    paths = optree.tree_paths(record, namespace=NAMESPACE)
+    assert paths and all(isinstance(p[0], str) for p in paths)
+
+
+def test_constructors_still_validate() -> None:
+    """Only unflattening skips the checks: building a record, or evolving one, still runs them."""
+    s = _sharded(4, 1)
+    with pytest.raises(LayoutMismatchError):
+        ShardedState(s.layout, s.rank, torch.zeros(1))
+    with pytest.raises(LayoutMismatchError):
+        attrs.evolve(s, residual=torch.zeros(3))
+    with pytest.raises(LayoutMismatchError):
+        UnshardedState(s.layout, 1, (torch.zeros(1),))
