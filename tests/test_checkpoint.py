@@ -431,3 +431,90 @@ def test_non_tensor_entries_load_weights_only(tmp_path) -> None:
     with pytest.raises(pickle.UnpicklingError):
         planner.load_bytes(None, buf)  # type: ignore[arg-type]
     assert not os.path.exists(marker)
+
+
+# ----------------------------------------------------------- a failed load changes nothing
+
+
+def _local_snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Clones of this rank's shards of every parameter and every optimizer state tensor."""
+    out = {f"param {n}": p.to_local().detach().clone() for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                local = v.to_local() if hasattr(v, "to_local") else v
+                out[f"optim {names[id(p)]}.{k}"] = local.detach().clone()
+    return out
+
+
+def case_failed_load_changes_nothing(
+    path: str, damaged_rank: int, plain: bool, damage: str = "truncate"
+) -> dict:
+    """Save model + AdamW (plain ``dcp.save`` or ours), train one more step, cut the end off
+    rank ``damaged_rank``'s data file (or delete it), then load: every rank must raise the named
+    error and keep its parameters and optimizer state exactly as they were before the call."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from functional_fsdp.errors import CheckpointIntegrityError
+
+    model = _sharded(0)
+    mesh = model.tok.weight.device_mesh
+    opt = _adamw(model)
+    _train(model, opt, range(1), mesh)
+    msd, osd = get_state_dict(model, opt)
+    if plain:
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    else:
+        save_checkpoint({"model": msd, "optim": osd}, path)
+    _train(model, opt, range(1, 2), mesh)  # the live state now differs from the checkpoint
+    dist.barrier()
+    if dist.get_rank() == 0:
+        file = os.path.join(path, f"__{damaged_rank}_0.distcp")
+        if damage == "truncate":
+            os.truncate(file, os.path.getsize(file) - 16)  # only the last item is cut
+        else:
+            os.remove(file)
+    dist.barrier()
+    before = _local_snapshot(model, opt)
+    msd, osd = get_state_dict(model, opt)
+    error = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UncheckedCheckpointWarning)
+        try:
+            load_checkpoint({"model": msd, "optim": osd}, path)
+        except CheckpointIntegrityError as e:
+            error = str(e)
+    after = _local_snapshot(model, opt)
+    assert before.keys() == after.keys()
+    diff = {
+        k: (after[k].double() - before[k].double()).abs().max().item()
+        for k in before
+        if before[k].numel()
+    }
+    return {
+        "error": error,
+        "max_diff": max(diff.values()),
+        "changed": [k for k, v in diff.items() if v],
+    }
+
+
+@pytest.mark.parametrize("plain", [True, False], ids=["dcp_save", "save_checkpoint"])
+@pytest.mark.parametrize("damaged_rank", [0, 1])
+def test_failed_load_leaves_model_and_optimizer_unchanged(
+    world2: World, tmp_path, damaged_rank: int, plain: bool
+) -> None:
+    results = world2.run(
+        case_failed_load_changes_nothing, str(tmp_path / "ckpt"), damaged_rank, plain
+    )
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and "truncated" in r["error"], (rank, r["error"])
+        assert r["max_diff"] == 0.0, (rank, r["max_diff"], r["changed"][:5])
+
+
+def test_missing_data_file_fails_the_load_before_any_write(world2: World, tmp_path) -> None:
+    results = world2.run(case_failed_load_changes_nothing, str(tmp_path / "ckpt"), 1, True, "rm")
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and "cannot be read" in r["error"], (rank, r["error"])
+        assert r["max_diff"] == 0.0, (rank, r["max_diff"], r["changed"][:5])

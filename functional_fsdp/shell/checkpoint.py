@@ -146,10 +146,15 @@ def load_checkpoint(
     Raises:
         CheckpointPathError: the metadata names a storage file outside the directory (nothing
             was read).
-        CheckpointIntegrityError: an item's bytes do not match their checksum (names the item).
+        CheckpointIntegrityError: an item's file is missing or unreadable, the item is
+            truncated, or its bytes do not match their checksum (names the item).
         pickle.UnpicklingError: the metadata holds objects that are not DCP metadata.
 
-    Every rank of the group raises the same error.
+    Every rank of the group raises the same error, and a load that raises has written nothing:
+    every item (model and optimizer) is checked on every rank before any is loaded, so
+    ``state_dict`` (and the model and optimizer whose tensors it holds) is left exactly as it
+    was. Without checksums (plain ``dcp.save``) only missing, unreadable or truncated items are
+    caught up front; bytes changed in place are not detectable.
 
     Example:
         >>> msd, osd = get_state_dict(model, opt)  # doctest: +SKIP

@@ -374,20 +374,27 @@ class SafeFileSystemReader(FileSystemReader):
         self._checksums = _read_checksums(self.path, metadata, name)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Verify every item this rank will read, before DCP's planning collective: a corrupt
-        item fails the load on every rank before any rank has loaded anything."""
+        """Check every item this rank will read (model and optimizer alike) before DCP's
+        planning collective, so a damaged item fails the load on every rank before any rank
+        has written anything into its state dict.
+
+        Every item's file must open and hold the item's full length; with ``.checksums.json``
+        the bytes must match their checksum too. (Without it, i.e. plain ``dcp.save``, bytes
+        changed in place cannot be told from good ones: that load warns and is unverified.)
+        DCP gathers this step's exceptions on the coordinator and raises on every rank, so
+        the ranks agree on the failure and none loads alone.
+        """
         self._verified = set()
-        if self._checksums is not None:
-            for rel, reqs in self._by_file(plan.items).items():
-                with open(self._storage_path(rel, reqs), "rb") as stream:
-                    for req in reqs:
-                        self._read_verified(stream, req.storage_index)
+        for rel, reqs in self._by_file(plan.items).items():
+            with self._open_item(rel, reqs) as stream:
+                for req in reqs:
+                    self._read_verified(stream, req.storage_index)
         return plan
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read, verify and load each planned item (DCP's ``read_data`` plus the checks)."""
         for rel, reqs in self._by_file(plan.items).items():
-            with open(self._storage_path(rel, reqs), "rb") as stream:
+            with self._open_item(rel, reqs) as stream:
                 for req in reqs:
                     data = self._read_verified(stream, req.storage_index)
                     info: _StorageInfo = self.storage_data[req.storage_index]
@@ -405,16 +412,34 @@ class SafeFileSystemReader(FileSystemReader):
             per_file.setdefault(self.storage_data[req.storage_index].relative_path, []).append(req)
         return per_file
 
-    def _storage_path(self, rel: str, reqs: list[ReadItem]) -> pathlib.Path:
-        return resolve_inside(self.path, rel, what=f"item {_item_name(reqs[0].storage_index)}")
+    def _open_item(self, rel: str, reqs: list[ReadItem]) -> Any:
+        """The storage file of ``reqs``, opened for reading; a missing or unreadable file is a
+        ``CheckpointIntegrityError`` naming its first item (DCP would surface a bare OSError)."""
+        name = _item_name(reqs[0].storage_index)
+        path = resolve_inside(self.path, rel, what=f"item {name}")
+        try:
+            return open(path, "rb")
+        except OSError as e:
+            raise CheckpointIntegrityError(
+                f"checkpoint {os.fspath(self.path)!r}: the storage file {rel!r} of item {name} "
+                f"cannot be read ({e}); the checkpoint is incomplete or damaged",
+                item=name,
+            ) from e
 
     def _read_verified(self, stream: Any, index: MetadataIndex) -> bytes:
         """The item's stored bytes, checked for length and (unless done already) checksum."""
         info: _StorageInfo = self.storage_data[index]
-        stream.seek(info.offset)
-        data = stream.read(info.length)
         key = (info.relative_path, info.offset, info.length)
         where = f"{info.relative_path!r} bytes {info.offset}..{info.offset + info.length}"
+        try:
+            stream.seek(info.offset)
+            data = stream.read(info.length)
+        except OSError as e:
+            raise CheckpointIntegrityError(
+                f"checkpoint {os.fspath(self.path)!r}: item {_item_name(index)} cannot be read "
+                f"({e}) at {where}; the file is damaged",
+                item=_item_name(index),
+            ) from e
         if len(data) != info.length:
             raise CheckpointIntegrityError(
                 f"checkpoint {os.fspath(self.path)!r}: item {_item_name(index)} is truncated "
