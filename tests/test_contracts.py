@@ -221,13 +221,23 @@ def _registered_kinds(use_torch: bool) -> dict[str, Any]:
     return out
 
 
-def test_registered_parameters_follow_fsdp2(world2: World) -> None:
+def test_registered_parameters_follow_fsdp2_except_after_forward(world2: World) -> None:
     ours = world2.run(_registered_kinds, False)
     theirs = world2.run(_registered_kinds, True)
-    assert ours == theirs
-    after = dict((n, is_dt) for n, is_dt, _ in ours[0]["after_no_grad_forward"])
-    # The root kept its parameters unsharded (plain tensors); the blocks resharded.
-    assert after["tok.weight"] is False and after["blocks.0.fc.weight"] is True
+    # After a forward we register the sharded DTensors on every module, the root included
+    # (FSDP2 leaves the root's unsharded tensors there, and an optimizer, clipping, an EMA or
+    # autograd.grad then silently works on throwaway copies: docs/fsdp2_mapping.md).
+    after_forward = ("after_no_grad_forward", "after_forward")
+    for o, t in zip(ours, theirs):
+        assert {k: v for k, v in o.items() if k not in after_forward} == {
+            k: v for k, v in t.items() if k not in after_forward
+        }
+        for point in after_forward:
+            assert all(is_dt for _, is_dt, _ in o[point]), point
+            fsdp2 = dict((n, is_dt) for n, is_dt, _ in t[point])
+            assert fsdp2["tok.weight"] is False and fsdp2["blocks.0.fc.weight"] is True
+    # After the root's unshard() its full tensors are registered, as in FSDP2.
+    assert dict((n, is_dt) for n, is_dt, _ in ours[0]["after_unshard"])["tok.weight"] is False
 
 
 def _float64_training(use_torch: bool) -> list[float]:

@@ -177,11 +177,14 @@ def _rebuild(states: list[FSDPState], groups: list[ParamGroup], memo: dict[Any, 
             if targets is not None:
                 setattr(ns, attr, [new_states[id(t)] for t in targets if id(t) in new_states])
         mod = ns.module
-        pre, post = hooks_for(ns)
-        for hooks, fn in ((mod._forward_pre_hooks, pre), (mod._forward_hooks, post)):
-            for key, hook in list(hooks.items()):
-                if _closes_over(hook, s):
-                    hooks[key] = fn
+        pre, post, exit_ = hooks_for(ns)
+        for key, hook in list(mod._forward_pre_hooks.items()):
+            if _closes_over(hook, s):
+                mod._forward_pre_hooks[key] = pre
+        for key, hook in list(mod._forward_hooks.items()):
+            if _closes_over(hook, s):
+                always = key in mod._forward_hooks_always_called
+                mod._forward_hooks[key] = exit_ if always else post
         for name, value in list(mod.__dict__.items()):
             if isinstance(value, types.MethodType) and _closes_over(value, s):
                 del mod.__dict__[name]

@@ -148,9 +148,10 @@ def _attach(
             # A list of modules shares one group: the first owns it, the rest forward through it.
             st.group = group
         m._ffsdp_state = st  # type: ignore[assignment]
-        pre, post = hooks_for(st)
+        pre, post, exit_ = hooks_for(st)
         m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
         m.register_forward_hook(post)
+        m.register_forward_hook(exit_, always_call=True)
         m.register_load_state_dict_post_hook(readopt_after_load)  # load_state_dict(assign=True)
         m.register_state_dict_pre_hook(_to_sharded_hook)
         m._register_load_state_dict_pre_hook(_to_sharded_hook, with_module=True)

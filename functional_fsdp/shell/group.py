@@ -444,17 +444,32 @@ class ParamGroup:
         """Whether the running backward is ``torch.autograd.grad`` (which returns gradients to
         the caller) rather than ``.backward()`` (which accumulates them into ``.grad``)."""
         if self._grad_accumulator is None:
-            trains = next((p for p in self.params if p.requires_grad), None)
-            if trains is None:
+            self._grad_accumulator = self._find_grad_accumulator()
+            if self._grad_accumulator is None:
                 return False
-            with torch.enable_grad():  # backward runs without grad mode: record the view
-                view: Any = trains.view_as(trains)
-                self._grad_accumulator = view.grad_fn.next_functions[0][0]
         try:
             torch._C._will_engine_execute_node(self._grad_accumulator)
         except RuntimeError:  # raised for a leaf's node exactly while autograd.grad() runs
             return True
         return False
+
+    def _find_grad_accumulator(self) -> Any:
+        """The ``AccumulateGrad`` node of a trained parameter, found through a view of it.
+
+        ``DTensor`` refuses the view of an empty global shape (a ``(0, n)`` parameter): the
+        largest parameters are tried first, so an empty one beside others never decides.
+        """
+        trains = sorted(
+            (p for p in self.params if p.requires_grad), key=lambda p: p.numel(), reverse=True
+        )
+        for p in trains:
+            with torch.enable_grad():  # backward runs without grad mode: record the view
+                try:
+                    view: Any = p.view_as(p)
+                except RuntimeError:
+                    continue
+            return view.grad_fn.next_functions[0][0]
+        return None
 
     def reduce_for_autograd(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
         """Reduce synchronously and return the sharded ``DTensor`` gradients to autograd (with

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import types
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,8 @@ from .group_common import ReduceChain, traced
 from .schedule import resync
 
 __all__ = ["FSDPState", "hooks_for", "register_fsdp_forward_method"]
+
+_log = logging.getLogger("functional_fsdp")
 
 
 def _in_backward() -> bool:
@@ -61,6 +64,11 @@ class FSDPState:
         # persistent GatherSlot), else the record of a forward over caller-passed sources
         # (functional_call / torch.func; shell/functional_path.py, a GatherSlot per call).
         self.functional: Any = None
+        # One token per module call in progress (the post hook marks it; the always-called
+        # exit hook pops it): an unmarked token means the forward raised.
+        self.calls: list[list[bool]] = []
+        # Root: a forward raised since the last reset; the next forward resets first.
+        self.interrupted = False
 
     @property
     def is_root(self) -> bool:
@@ -128,6 +136,16 @@ class FSDPState:
         root = self.root
         assert root is not None
         g = self.group
+        if self.is_root and root.interrupted and not _in_backward():
+            # The previous forward raised (an exception on every rank, or a peer's abort) and
+            # nobody called reset_iter_state(): groups may still be mid-forward with full
+            # tensors registered. Do now what reset_iter_state() does, on every rank alike.
+            _log.warning(
+                "functional_fsdp: the previous forward of %r raised; resetting its iteration "
+                "state (reset_iter_state()) before this forward",
+                self.name,
+            )
+            self.reset()
         if _in_backward():
             # Activation-checkpoint recompute: only make sure the parameters are unsharded.
             if g is not None:
@@ -199,25 +217,32 @@ class FSDPState:
             root.post_forward_order.append(self)
         if g is not None and not functional:
             g.forward_done += 1
-        if g is not None and not functional and g.forward_done >= g.forward_users:
-            g.reshard_after_forward_now(g.reshard_after_forward)
-            if not g.is_unsharded:
-                # Resharded: the sharded DTensors go back on the modules. A group left
-                # unsharded keeps its full parameters registered (FSDP2's contract).
-                g.register_sharded()
-            g.training_state = TrainingState.IDLE
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
+        tensors = []
         if torch.is_grad_enabled() and not functional:
             tensors = [
                 t
                 for t in pytree.tree_leaves(output)
                 if isinstance(t, torch.Tensor) and t.requires_grad
             ]
-            if tensors:
-                torch.autograd.graph.register_multi_grad_hook(
-                    tensors, self._pre_backward, mode="any"
-                )
+        if g is not None and not functional and g.forward_done >= g.forward_users:
+            raf = g.reshard_after_forward
+            if not tensors and self.is_root and self.user_reshard_after_forward is None:
+                # The root keeps its parameters only for the backward that follows; with no
+                # backward to serve (no_grad, inference mode, nothing requires grad) it
+                # reshards like every other group.
+                raf = True
+            g.reshard_after_forward_now(raf)
+            # The sharded DTensors go back on the modules after every forward, also where the
+            # unsharded buffer stays for the backward (the root): model.parameters() are then
+            # always the tensors the optimizer, clipping, EMA and autograd.grad must see. FSDP2
+            # leaves the unsharded tensors registered, and those silently take local-only
+            # gradients and updates that are lost (docs/fsdp2_mapping.md).
+            g.register_sharded()
+            g.training_state = TrainingState.IDLE
+        if tensors:
+            torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         if self.is_root:
             self.order_recorded = True
             self.in_forward = False
@@ -312,6 +337,7 @@ class FSDPState:
         if self.root is not None:
             self.root.callback_queued = False
             self.root.in_forward = False
+            self.root.interrupted = False
         # Collectives the failed step left behind must never pair with the next step's: every
         # rank agrees on a fresh epoch of tags (peers still waiting are told to give up).
         bases: list[Any] = []
@@ -354,16 +380,27 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     object.__setattr__(module, method_name, types.MethodType(wrapped, module))
 
 
-def hooks_for(state: FSDPState) -> tuple[Callable, Callable]:
-    """The module forward pre-hook and hook that drive ``state``."""
+def hooks_for(state: FSDPState) -> tuple[Callable, Callable, Callable]:
+    """The module forward pre-hook, hook and always-called exit hook that drive ``state``.
+
+    Register the third with ``register_forward_hook(exit, always_call=True)``: it runs after
+    the hook, or alone when the forward raised, and then marks the root interrupted.
+    """
 
     def pre(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        state.calls.append([False])
         return state.pre_forward(module, args, kwargs)
 
     def post(module: nn.Module, args: tuple, output: Any) -> Any:
+        state.calls[-1][0] = True
         return state.post_forward(module, args, output)
+
+    def exit_(module: nn.Module, args: tuple, output: Any) -> None:
+        finished = state.calls.pop()[0] if state.calls else True
+        if not finished:
+            (state.root or state).interrupted = True
 
     # Under torch.compile the hooks run eagerly (a graph break on each side of the module's
     # forward, which compiles): they gather, register tensors on modules and start
     # collectives, none of which belongs in a graph.
-    return torch._dynamo.disable(pre), torch._dynamo.disable(post)
+    return torch._dynamo.disable(pre), torch._dynamo.disable(post), torch._dynamo.disable(exit_)
