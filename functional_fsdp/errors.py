@@ -11,7 +11,11 @@ __all__ = [
     "CheckpointIntegrityError",
     "CheckpointPathError",
     "DonatedStateError",
+    "ArgumentTypeError",
     "FSDPError",
+    "HyperparameterError",
+    "OptimizerStateError",
+    "StepInputError",
     "IncompatibleMeshError",
     "IndivisibleError",
     "LayoutMismatchError",
@@ -67,6 +71,28 @@ class GatherCodecError(FSDPError, ValueError):
     """A tensor subclass's all-gather hooks (``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``)
     broke FSDP2's protocol: wrong return type, input shapes/dtypes that differ from the layout
     (or between ranks), or a hook that raised."""
+
+
+class HyperparameterError(FSDPError, ValueError):
+    """An optimizer, schedule or training-step setting is out of range (``lr < 0``, betas
+    outside ``[0, 1)``, ``grad_accum < 1``, schedule boundaries that do not increase, ...)."""
+
+
+class OptimizerStateError(FSDPError, ValueError):
+    """An optimizer state (or parameters) does not fit what it is combined with: another
+    tree structure, another model's parameters, a torch optimizer state a bridge cannot
+    convert, or no ``InjectHyperparamsState`` where hyper-parameters are set."""
+
+
+class StepInputError(FSDPError, ValueError):
+    """What the training step was given does not fit: a batch that does not split into
+    ``grad_accum`` micro-batches, or a ``loss_fn`` that does not return a scalar (or
+    ``(loss, aux)`` with ``has_aux=True``)."""
+
+
+class ArgumentTypeError(FSDPError, TypeError):
+    """An argument of the wrong type (a torch optimizer where a functional one is expected,
+    a plain module where the root ``FSDPModule`` is expected, ...)."""
 
 
 class StateError(FSDPError, RuntimeError, ValueError):

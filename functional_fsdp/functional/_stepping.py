@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointError
 
-from ..errors import UnsupportedError
+from ..errors import StepInputError, UnsupportedError
 from ..shell import DeferredReductions
 
 __all__ = ["Accumulated", "accumulate_grads"]
@@ -65,7 +65,7 @@ def split_batch(batch: Any, k: int) -> list[Any]:
     for t in leaves:
         if isinstance(t, torch.Tensor):
             if t.dim() == 0 or t.shape[0] % k != 0:
-                raise ValueError(
+                raise StepInputError(
                     f"grad_accum={k}: every tensor of the batch must split evenly on dim 0, got "
                     f"shape {tuple(t.shape)}"
                 )
@@ -78,19 +78,19 @@ def split_batch(batch: Any, k: int) -> list[Any]:
 def _loss_and_aux(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
     if has_aux:
         if not (isinstance(out, tuple) and len(out) == 2):
-            raise ValueError(
+            raise StepInputError(
                 f"has_aux=True: loss_fn must return a pair (loss, aux), got {type(out).__name__}"
             )
         loss, aux = out
     else:
         if isinstance(out, tuple):
-            raise ValueError(
+            raise StepInputError(
                 "loss_fn returned a tuple; if it is (loss, aux), make the step with has_aux=True"
             )
         loss, aux = out, None
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise ValueError(f"loss_fn must return a scalar tensor, got {shape}")
+        raise StepInputError(f"loss_fn must return a scalar tensor, got {shape}")
     return loss, aux
 
 

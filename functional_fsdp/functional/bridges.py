@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .._tree import NAMESPACE
+from ..errors import ArgumentTypeError, OptimizerStateError
 from ..shell import summon_full_params
 from .optim import AdamWState, Optimizer, SGDState
 from .step import (
@@ -111,13 +112,13 @@ def _by_name(model: nn.Module, torch_opt: Any) -> dict[str, dict[str, Any]]:
         for group in torch_opt.param_groups:
             for p in group["params"]:
                 if id(p) not in names:
-                    raise ValueError(
+                    raise OptimizerStateError(
                         "from_torch_optimizer: the optimizer holds a parameter not in model"
                     )
                 out[names[id(p)]] = torch_opt.state.get(p, {})
         return out
     if not isinstance(torch_opt, dict) or "state" not in torch_opt:
-        raise TypeError(
+        raise ArgumentTypeError(
             "from_torch_optimizer: pass a torch.optim.Optimizer over model.parameters() or its "
             f"state_dict(), got {type(torch_opt).__name__}"
         )
@@ -126,7 +127,7 @@ def _by_name(model: nn.Module, torch_opt: Any) -> dict[str, dict[str, Any]]:
         return {i: torch_opt["state"].get(i, {}) for i in ids}
     order = [n for n, p in model.named_parameters() if p.requires_grad]
     if len(ids) != len(order):
-        raise ValueError(
+        raise OptimizerStateError(
             f"from_torch_optimizer: the state dict has {len(ids)} parameters, the model "
             f"{len(order)} trainable ones; pass the torch optimizer itself instead"
         )
@@ -139,7 +140,9 @@ def _fill(node: Any, per_name: dict[str, dict[str, Any]], names: list[str]) -> A
         return node
     steps = {float(s["step"]) for s in per_name.values() if "step" in s}
     if len(steps) > 1:
-        raise ValueError(f"from_torch_optimizer: parameters have different step counts {steps}")
+        raise OptimizerStateError(
+            f"from_torch_optimizer: parameters have different step counts {steps}"
+        )
     count = torch.tensor(steps.pop() if steps else 0.0)
     trees = [node.mu, node.nu] if isinstance(node, AdamWState) else [node.momentum]
     filled = []
@@ -217,7 +220,7 @@ def to_torch_optimizer(
         if type(n) in _TORCH_KEYS
     ]
     if len(nodes) != 1:
-        raise ValueError(
+        raise OptimizerStateError(
             f"to_torch_optimizer: the state needs exactly one AdamWState or SGDState, found "
             f"{len(nodes)}"
         )

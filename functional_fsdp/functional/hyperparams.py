@@ -29,6 +29,7 @@ import attrs
 import optree
 import torch
 
+from ..errors import OptimizerStateError
 from ._pytrees import register_everywhere
 from .optim import Optimizer
 from .transforms import GradientTransformation, check_functional_optimizer
@@ -166,7 +167,7 @@ def set_hyperparams(tree: Any, **values: float) -> Any:
         replace, tree, is_leaf=lambda n: isinstance(n, InjectHyperparamsState), none_is_leaf=True
     )
     if not found[0]:
-        raise ValueError(
+        raise OptimizerStateError(
             "set_hyperparams: no InjectHyperparamsState in the tree; build the optimizer with "
             "inject_hyperparams(adamw)(lr=...) to change hyper-parameters between steps"
         )

@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .._tree import tree_leaves
 from ..comm import Communicator
+from ..errors import StepInputError
 from ..shell import ProcessGroupComm
 
 __all__ = ["global_norm"]
@@ -201,7 +202,7 @@ class StepNorms:
         gradients :meth:`norm_and_loss` saw is reused (no second all-reduce).
         """
         if not isinstance(tree, dict) or set(tree) != set(self.names):
-            raise ValueError(
+            raise StepInputError(
                 "the training step's global_norm_fn takes {name: local shard} of the trainable "
                 f"parameters, got {type(tree).__name__}"
             )

@@ -36,6 +36,7 @@ import optree
 import torch
 
 from .._tree import tree_flatten, tree_unflatten
+from ..errors import HyperparameterError, OptimizerStateError
 from ._pytrees import register_everywhere
 
 __all__ = [
@@ -144,7 +145,7 @@ def last_lr(lr: LearningRate) -> Callable[[Any], float]:
 
 def _check_lr(lr: LearningRate) -> None:
     if not callable(lr) and not lr >= 0.0:
-        raise ValueError(f"lr must be >= 0 (or a schedule count -> lr), got {lr!r}")
+        raise HyperparameterError(f"lr must be >= 0 (or a schedule count -> lr), got {lr!r}")
 
 
 def _zeros(params: Any) -> Any:
@@ -157,7 +158,7 @@ def _zeros(params: Any) -> Any:
 def _flat_like(tree: Any, spec: Any, what: str) -> list[torch.Tensor]:
     leaves, other = tree_flatten(tree)
     if other != spec:
-        raise ValueError(structure_mismatch(what, other, spec))
+        raise OptimizerStateError(structure_mismatch(what, other, spec))
     return leaves
 
 
@@ -197,11 +198,11 @@ def adamw(
     _check_lr(lr)
     beta1, beta2 = (float(b) for b in betas)
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-        raise ValueError(f"betas must be in [0, 1), got {betas!r}")
+        raise HyperparameterError(f"betas must be in [0, 1), got {betas!r}")
     if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
+        raise HyperparameterError(f"eps must be >= 0, got {eps!r}")
     if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        raise HyperparameterError(f"weight_decay must be >= 0, got {weight_decay!r}")
 
     def init(params: Any) -> AdamWState:
         return AdamWState(_count0(), _zeros(params), _zeros(params))
@@ -275,11 +276,11 @@ def sgd(
     """
     _check_lr(lr)
     if not momentum >= 0.0:
-        raise ValueError(f"momentum must be >= 0, got {momentum!r}")
+        raise HyperparameterError(f"momentum must be >= 0, got {momentum!r}")
     if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        raise HyperparameterError(f"weight_decay must be >= 0, got {weight_decay!r}")
     if nesterov and (momentum <= 0 or dampening != 0):
-        raise ValueError("Nesterov momentum requires a momentum > 0 and zero dampening")
+        raise HyperparameterError("Nesterov momentum requires a momentum > 0 and zero dampening")
 
     def init(params: Any) -> SGDState:
         return SGDState(_count0(), _zeros(params) if momentum != 0 else None)

@@ -18,6 +18,8 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from ..errors import HyperparameterError
+
 __all__ = [
     "Schedule",
     "constant_schedule",
@@ -39,7 +41,9 @@ class Schedule(Protocol):
 
 def _check_steps(name: str, steps: int, *, allow_zero: bool = True) -> None:
     if not isinstance(steps, int) or steps < (0 if allow_zero else 1):
-        raise ValueError(f"{name} must be an int >= {0 if allow_zero else 1}, got {steps!r}")
+        raise HyperparameterError(
+            f"{name} must be an int >= {0 if allow_zero else 1}, got {steps!r}"
+        )
 
 
 def constant_schedule(value: float) -> Callable[[int], float]:
@@ -114,12 +118,12 @@ def join_schedules(
         boundaries: increasing update counts where the next schedule takes over.
     """
     if len(schedules) != len(boundaries) + 1:
-        raise ValueError(
+        raise HyperparameterError(
             f"join_schedules needs one more schedule than boundaries, got {len(schedules)} "
             f"schedules and {len(boundaries)} boundaries"
         )
     if list(boundaries) != sorted(boundaries):
-        raise ValueError(f"boundaries must increase, got {list(boundaries)}")
+        raise HyperparameterError(f"boundaries must increase, got {list(boundaries)}")
     starts = [0, *boundaries]
 
     def schedule(count: int) -> float:
@@ -152,7 +156,7 @@ def warmup_cosine_decay_schedule(
     """
     _check_steps("warmup_steps", warmup_steps)
     if not isinstance(decay_steps, int) or decay_steps <= warmup_steps:
-        raise ValueError(
+        raise HyperparameterError(
             f"decay_steps (warmup included) must be an int > warmup_steps={warmup_steps}, "
             f"got {decay_steps!r}"
         )

@@ -37,7 +37,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.tensor import DTensor
 
 from .._tree import NAMESPACE, tree_map
-from ..errors import DonatedStateError
+from ..errors import ArgumentTypeError, DonatedStateError, HyperparameterError, OptimizerStateError
 from ..shell import FSDPModule
 from ._pytrees import register_everywhere
 from ._stepping import Accumulated, accumulate_grads
@@ -102,7 +102,7 @@ def check_not_donated(state: TrainState, where: str) -> None:
         where: the caller's name, for the message.
     """
     if not isinstance(state, TrainState):
-        raise TypeError(f"{where}: expected a TrainState, got {type(state).__name__}")
+        raise ArgumentTypeError(f"{where}: expected a TrainState, got {type(state).__name__}")
     if int(state.step.item()) == _DONATED:
         raise DonatedStateError(
             f"{where}: this TrainState was donated to a step made with donate=True, which "
@@ -133,7 +133,7 @@ def _wrap(local: torch.Tensor, like: Any) -> Any:
 
 def _check_model(model: nn.Module, what: str) -> None:
     if not isinstance(model, FSDPModule):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{what} expects the root module passed to fully_shard (an FSDPModule), got "
             f"{type(model).__name__}; call fully_shard on each block and then on the model"
         )
@@ -188,14 +188,14 @@ def with_params(state: TrainState, params: dict[str, Any]) -> TrainState:
         old = state.params[n]
         if isinstance(old, DTensor) and not isinstance(t, DTensor):
             if tuple(t.shape) != tuple(old._local_tensor.shape):
-                raise ValueError(
+                raise OptimizerStateError(
                     f"with_params: {n!r} is a plain tensor of shape {tuple(t.shape)}; pass this "
                     f"rank's shard (shape {tuple(old._local_tensor.shape)}) or a DTensor (to "
                     "edit full parameters use summon_state(state, model))"
                 )
             t = DTensor(t, old._spec, requires_grad=False)  # type: ignore[call-arg]
         elif tuple(t.shape) != tuple(old.shape) or type(t) is not type(old):
-            raise ValueError(
+            raise OptimizerStateError(
                 f"with_params: {n!r} must be a {type(old).__name__} of shape "
                 f"{tuple(old.shape)}, got a {type(t).__name__} of shape {tuple(t.shape)}"
             )
@@ -218,7 +218,7 @@ def apply_to_module(state: TrainState, model: nn.Module) -> None:
     check_not_donated(state, "apply_to_module")
     own = dict(model.named_parameters())
     if set(own) != set(state.params):
-        raise ValueError(
+        raise OptimizerStateError(
             f"apply_to_module: the state's parameters {sorted(set(state.params) ^ set(own))[:5]} "
             "do not match the module's; build the state with init(model, ...) from this module"
         )
@@ -259,7 +259,7 @@ def _with_clipping(optimizer: Any, max_grad_norm: float | None) -> Any:
         stacklevel=3,
     )
     if not max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+        raise HyperparameterError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
     # Clipping in front of the optimizer, keeping the optimizer's own state structure, so a
     # state from init(model, optimizer) works with the shortcut as before.
     clip = clip_by_global_norm(max_grad_norm)
@@ -277,7 +277,7 @@ def _with_clipping(optimizer: Any, max_grad_norm: float | None) -> Any:
 def _check_state(state: Any, names: list[str]) -> None:
     check_not_donated(state, "step")
     if list(state.params) != names:
-        raise ValueError(
+        raise OptimizerStateError(
             "step: the state's parameters do not match the model's; build the state with "
             "init(model, optimizer) from the model this step was made for"
         )
@@ -363,7 +363,7 @@ def make_train_step(
     check_functional_optimizer(optimizer, "make_train_step")
     _check_activation_checkpointing(model)
     if not isinstance(grad_accum, int) or grad_accum < 1:
-        raise ValueError(f"grad_accum must be a positive int, got {grad_accum!r}")
+        raise HyperparameterError(f"grad_accum must be a positive int, got {grad_accum!r}")
     opt = as_optimizer(_with_clipping(optimizer, max_grad_norm))
     names = [n for n, _ in model.named_parameters()]
     trainable = _trainable(model)

@@ -28,6 +28,7 @@ import attrs
 import torch
 
 from .._tree import tree_flatten, tree_unflatten
+from ..errors import ArgumentTypeError, HyperparameterError, OptimizerStateError
 from ._pytrees import register_everywhere
 from .norms import global_norm
 from .optim import LearningRate, Optimizer, _zeros, structure_mismatch
@@ -133,7 +134,7 @@ def _map(fn: Callable[[list[torch.Tensor]], list[torch.Tensor]], tree: Any) -> A
 def _like(tree: Any, spec: Any, what: str) -> list[torch.Tensor]:
     leaves, other = tree_flatten(tree)
     if other != spec:
-        raise ValueError(structure_mismatch(what, other, spec))
+        raise OptimizerStateError(structure_mismatch(what, other, spec))
     return leaves
 
 
@@ -216,7 +217,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         eps: added to the denominator (outside the square root, as torch and optax).
     """
     if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-        raise ValueError(f"b1 and b2 must be in [0, 1), got {b1!r}, {b2!r}")
+        raise HyperparameterError(f"b1 and b2 must be in [0, 1), got {b1!r}, {b2!r}")
 
     def init(params: Any) -> ScaleByAdamState:
         return ScaleByAdamState(torch.tensor(0.0), _zeros(params), _zeros(params))
@@ -250,14 +251,16 @@ def add_decayed_weights(weight_decay: float) -> GradientTransformation:
         weight_decay: the factor (``0`` leaves the updates unchanged).
     """
     if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        raise HyperparameterError(f"weight_decay must be >= 0, got {weight_decay!r}")
 
     def init(params: Any) -> EmptyState:
         return EmptyState()
 
     def update(updates: Any, state: Any, params: Any = None, **extra: Any) -> tuple[Any, Any]:
         if params is None:
-            raise ValueError("add_decayed_weights needs params: call update(updates, s, params)")
+            raise OptimizerStateError(
+                "add_decayed_weights needs params: call update(updates, s, params)"
+            )
         if weight_decay == 0:
             return updates, state
         u, spec = tree_flatten(updates)
@@ -279,7 +282,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         max_norm: the largest norm let through (> 0).
     """
     if not max_norm > 0:
-        raise ValueError(f"max_norm must be > 0, got {max_norm!r}")
+        raise HyperparameterError(f"max_norm must be > 0, got {max_norm!r}")
 
     def init(params: Any) -> EmptyState:
         return EmptyState()
@@ -345,7 +348,7 @@ def check_functional_optimizer(opt: Any, where: str, *, last: bool = True) -> No
         last: whether an :class:`~.optim.Optimizer` (new-parameters style) is allowed here.
     """
     if isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{where}: got a torch optimizer ({type(opt).__name__}); the functional API needs a "
             "functional one: functional_fsdp.functional.adamw(lr, betas, eps, weight_decay) for "
             "torch.optim.AdamW, sgd(lr, momentum, ...) for torch.optim.SGD, or a chain(...) of "
@@ -353,12 +356,12 @@ def check_functional_optimizer(opt: Any, where: str, *, last: bool = True) -> No
             "functional_fsdp.functional.from_torch_optimizer(model, torch_opt, adamw(...))"
         )
     if isinstance(opt, Optimizer) and not last:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{where}: an Optimizer (adamw, sgd: returns new parameters) may only be the last "
             "element of a chain; use scale_by_adam() / scale_by_learning_rate() before the end"
         )
     if not isinstance(opt, (Optimizer, GradientTransformation)):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"{where}: expected a functional optimizer (adamw, sgd, chain(...), or a "
             f"GradientTransformation), got {type(opt).__name__}"
         )
