@@ -178,6 +178,28 @@ def test_importing_the_core_loads_no_shell_in_a_fresh_process() -> None:
     assert shell_after == "True"
 
 
+def test_the_functional_optimizer_half_loads_no_shell() -> None:
+    """``functional/``'s optimizers, transforms and schedules are shell-free: importing them in
+    a fresh interpreter loads no ``functional_fsdp.shell`` module (the step half does)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import functional_fsdp.functional.optim, functional_fsdp.functional.transforms\n"
+        "import functional_fsdp.functional.schedules, functional_fsdp.functional.hyperparams\n"
+        "from functional_fsdp.functional import adamw, chain, clip_by_global_norm\n"
+        "print(sorted(m for m in sys.modules if m.startswith('functional_fsdp.shell')))\n"
+        "from functional_fsdp.functional import make_train_step\n"
+        "print('functional_fsdp.shell' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    loaded, shell_after = out.stdout.split("\n")[:2]
+    assert loaded == "[]", f"the optimizer half loaded {loaded}"
+    assert shell_after == "True"
+
+
 def _module_level_imports(path: Path, module: str) -> set[str]:
     """Package modules ``module`` imports when it is imported (not inside functions, and not
     under ``if TYPE_CHECKING:``)."""

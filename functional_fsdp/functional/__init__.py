@@ -11,28 +11,14 @@ See ``docs/functional.md``. The typical loop::
         state, metrics = step(state, batch)
 """
 
+from typing import TYPE_CHECKING, Any
+
+# The optimizer half (transforms, optim, schedules, hyper-parameters, norms) is shell-free:
+# ``import functional_fsdp.functional.optim`` loads no ``functional_fsdp.shell`` module.
 from . import schedules
-from .bridges import (
-    SummonedState,
-    from_state_dict,
-    from_torch_optimizer,
-    summon_state,
-    to_state_dict,
-    to_torch_optimizer,
-)
 from .hyperparams import InjectHyperparamsState, inject_hyperparams, set_hyperparams
 from .norms import global_norm
 from .optim import AdamWState, InitFn, Optimizer, SGDState, UpdateFn, adamw, sgd
-from .step import (
-    LossFn,
-    TrainState,
-    TrainStep,
-    apply_to_module,
-    check_not_donated,
-    init,
-    make_train_step,
-    with_params,
-)
 from .transforms import (
     EmptyState,
     GradientTransformation,
@@ -51,6 +37,58 @@ from .transforms import (
     scale_by_learning_rate,
     scale_by_schedule,
 )
+
+if TYPE_CHECKING:
+    from .bridges import (
+        SummonedState,
+        from_state_dict,
+        from_torch_optimizer,
+        summon_state,
+        to_state_dict,
+        to_torch_optimizer,
+    )
+    from .step import (
+        LossFn,
+        TrainState,
+        TrainStep,
+        apply_to_module,
+        check_not_donated,
+        init,
+        make_train_step,
+        with_params,
+    )
+
+# The step half needs the shell (module hooks, summon): loaded on first use of one of its names.
+_SHELL_HALF = {
+    "bridges": (
+        "SummonedState",
+        "from_state_dict",
+        "from_torch_optimizer",
+        "summon_state",
+        "to_state_dict",
+        "to_torch_optimizer",
+    ),
+    "step": (
+        "LossFn",
+        "TrainState",
+        "TrainStep",
+        "apply_to_module",
+        "check_not_donated",
+        "init",
+        "make_train_step",
+        "with_params",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    for module, names in _SHELL_HALF.items():
+        if name in names:
+            import importlib
+
+            return getattr(importlib.import_module(f".{module}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "AdamWState",

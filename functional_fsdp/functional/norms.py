@@ -22,7 +22,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from .._tree import tree_leaves
 from ..comm import Communicator
 from ..errors import StepInputError
-from ..shell import ProcessGroupComm
 
 __all__ = ["global_norm"]
 
@@ -57,6 +56,8 @@ def _comm_for(key: _Key | None, comms: dict[Any, Communicator]) -> _Comms:
     out = []
     for dim in dims:
         if (mesh, dim) not in comms:
+            from ..shell import ProcessGroupComm  # the optimizer half stays shell-free
+
             comms[(mesh, dim)] = ProcessGroupComm.for_mesh(mesh, dim)
         out.append(comms[(mesh, dim)])
     return tuple(out)
