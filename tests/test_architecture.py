@@ -306,3 +306,19 @@ def test_functional_api_raises_only_named_errors() -> None:
                 if isinstance(func, ast.Name) and func.id in {"ValueError", "TypeError"}:
                     bare.append(f"{path.name}:{node.lineno}")
     assert not bare, f"raise a functional_fsdp.errors type instead: {bare}"
+
+
+def test_every_test_module_that_spawns_ranks_is_marked_multiprocess() -> None:
+    """``-m 'not multiprocess'`` must leave only single-process tests: a module that uses a
+    real gloo world (the ``world2``/``world4`` fixtures, ``World``, ``run_local``) carries the
+    marker."""
+    tests = ROOT.parent / "tests"
+    spawns = ("world2", "world4", "from _dist import World", "run_local(")
+    unmarked = [
+        p.name
+        for p in sorted(tests.glob("test_*.py"))
+        if p.name != Path(__file__).name  # this file names the fixtures without using them
+        and any(s in (text := p.read_text()) for s in spawns)
+        and "mark.multiprocess" not in text
+    ]
+    assert not unmarked, f"add pytestmark = pytest.mark.multiprocess to {unmarked}"

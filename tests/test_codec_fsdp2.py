@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 from _dist import World
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
 STEPS = 3
 
