@@ -67,7 +67,7 @@ def register(cls: _T) -> _T:
         return obj
 
     optree.register_pytree_node(
-        cls,  # type: ignore[arg-type]
+        cls,
         flatten,
         unflatten,  # type: ignore[arg-type]
         namespace=NAMESPACE,

@@ -61,7 +61,7 @@ class Int8RowwiseWeight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, requires_grad: bool = False) -> Int8RowwiseWeight:
-        return torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined,no-any-return]
+        return torch.Tensor._make_wrapper_subclass(
             cls,
             data.shape,
             strides=data.stride(),
@@ -87,7 +87,7 @@ class Int8RowwiseWeight(torch.Tensor):
     ) -> Int8RowwiseWeight:
         del outer_size, outer_stride
         cls = ctx if isinstance(ctx, type) else Int8RowwiseWeight
-        return cls(inner["_data"])  # type: ignore[no-any-return]
+        return cls(inner["_data"])
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]

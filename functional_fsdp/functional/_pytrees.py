@@ -21,7 +21,7 @@ import torch.utils._pytree as torch_pytree
 from optree.integrations import attrs as optree_attrs
 
 # optree's only spelling of its global namespace (the registry's default for every lookup).
-from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL  # type: ignore[attr-defined]
+from optree.registry import __GLOBAL_NAMESPACE as _GLOBAL
 
 __all__ = ["register_everywhere"]
 

@@ -52,7 +52,7 @@ def _local(t: Any) -> Any:
 def _leaf(t: Any, requires_grad: bool) -> Any:
     """A new autograd leaf sharing ``t``'s data (a ``DTensor`` stays a ``DTensor``)."""
     if isinstance(t, DTensor):
-        return DTensor(t._local_tensor, t._spec, requires_grad=requires_grad)  # type: ignore[call-arg]
+        return DTensor(t._local_tensor, t._spec, requires_grad=requires_grad)
     return t.detach().requires_grad_(requires_grad)
 
 

@@ -128,7 +128,7 @@ def _wrap(local: torch.Tensor, like: Any) -> Any:
         return local
     if local is like._local_tensor:
         return like
-    return DTensor(local, like._spec, requires_grad=False)  # type: ignore[call-arg]
+    return DTensor(local, like._spec, requires_grad=False)
 
 
 def _check_model(model: nn.Module, what: str) -> None:
@@ -193,7 +193,7 @@ def with_params(state: TrainState, params: dict[str, Any]) -> TrainState:
                     f"rank's shard (shape {tuple(old._local_tensor.shape)}) or a DTensor (to "
                     "edit full parameters use summon_state(state, model))"
                 )
-            t = DTensor(t, old._spec, requires_grad=False)  # type: ignore[call-arg]
+            t = DTensor(t, old._spec, requires_grad=False)
         elif tuple(t.shape) != tuple(old.shape) or type(t) is not type(old):
             raise OptimizerStateError(
                 f"with_params: {n!r} must be a {type(old).__name__} of shape "

@@ -41,7 +41,7 @@ class UnshardFn(torch.autograd.Function):
     """Forward: the group's full parameters. Backward: reduce-scatter their gradients."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, group: Any, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
         ctx.set_materialize_grads(False)
         outs = tuple(v.view_as(v) for v in group.views)
@@ -51,7 +51,7 @@ class UnshardFn(torch.autograd.Function):
         return outs
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         group: Any = ctx.group
         if group.gradients_captured():
             # torch.autograd.grad(loss, params[, create_graph=True]): return the reduced
@@ -68,7 +68,7 @@ class GatherFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(call: Any, *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(call: Any, *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return call.gather(sources)
 
     @staticmethod
@@ -81,7 +81,7 @@ class GatherFn(torch.autograd.Function):
             ctx.mark_non_differentiable(*frozen)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         # Under torch.func the grads arrive wrapped at the transform's level: a second Function
         # unwraps them, runs the collective on plain tensors and wraps the sharded results.
         return (None, *reduce_differentiably(ctx.call, grads))
@@ -103,7 +103,7 @@ class ReduceFn(torch.autograd.Function):
     """Forward: reduce-scatter full gradients into sharded ``DTensor`` gradients."""
 
     @staticmethod
-    def forward(call: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+    def forward(call: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         return call.reduce(grads)
 
     @staticmethod
@@ -112,7 +112,7 @@ class ReduceFn(torch.autograd.Function):
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *cotangents: Any) -> tuple[Any, ...]:
         # Double backward: the reduce-scatter is linear; its adjoint is an all-gather.
         if torch._C._are_functorch_transforms_active():
             raise NotImplementedError(
@@ -137,7 +137,7 @@ class GatherGradFn(torch.autograd.Function):
     adjoint of the reduction). Backward: the reduction again (third order and up)."""
 
     @staticmethod
-    def forward(call: Any, *cotangents: Any) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(call: Any, *cotangents: Any) -> tuple[torch.Tensor, ...]:
         g = call.group
         locals_ = [c._local_tensor if isinstance(c, DTensor) else c for c in cotangents]
         state = T.pack_locals(locals_, g.layout, g.state.rank, device=g.device)
@@ -149,7 +149,7 @@ class GatherGradFn(torch.autograd.Function):
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: Any) -> tuple[Any, ...]:
         return (None, *reduce_differentiably(ctx.call, grads))
 
 

@@ -41,7 +41,7 @@ def plain_data(t: torch.Tensor) -> torch.Tensor:
 
 def _rewrap(template: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
     names, ctx = template.__tensor_flatten__()  # type: ignore[attr-defined]
-    return type(template).__tensor_unflatten__(  # type: ignore[attr-defined,no-any-return]
+    return type(template).__tensor_unflatten__(  # type: ignore[attr-defined]
         {names[0]: data}, ctx, data.shape, data.stride()
     )
 
@@ -89,7 +89,7 @@ def adopt_codecs(
 
 def _local_of(p: Any) -> Any:
     def local(_shard: torch.Tensor) -> torch.Tensor:
-        return p._local_tensor  # type: ignore[no-any-return]
+        return p._local_tensor
 
     return local
 

@@ -266,7 +266,7 @@ def post_forward(state: FSDPState, output: Any) -> Any:
     g = rec.group
     for src, holders in zip(rec.sources, g.holders):
         for m, n in holders:
-            m._parameters[n] = src  # type: ignore[assignment]
+            m._parameters[n] = src
     rec.sources = ()
     tensors = []
     if torch.is_grad_enabled():

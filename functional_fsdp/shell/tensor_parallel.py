@@ -185,13 +185,13 @@ class WrapFullFn(torch.autograd.Function):
     dims as they are: FSDP's reduce-scatter handles those."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec, dp_dims: tuple[int, ...]) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec, dp_dims: tuple[int, ...]) -> Any:
         ctx.spec = spec
         ctx.dp_dims = dp_dims
-        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)  # type: ignore[call-arg]
+        return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:
         if not isinstance(grad, DTensor):
             return grad, None, None
         want = tuple(
@@ -314,7 +314,7 @@ def _spmd_param(
 def _check_tied(params: Sequence[nn.Parameter], fqns: dict[int, str]) -> None:
     seen: dict[Any, nn.Parameter] = {}
     for p in params:
-        local = p._local_tensor if isinstance(p, DTensor) else p  # type: ignore[attr-defined]
+        local = p._local_tensor if isinstance(p, DTensor) else p
         if local.is_meta or local.untyped_storage().size() == 0:
             continue
         key = (local.device, local.untyped_storage().data_ptr())
@@ -348,9 +348,9 @@ def tp_spec(info: _TPParam | None, p: nn.Parameter, name: str, shard_dim: int) -
         requires_grad=p.requires_grad,
         shard_dim=shard_dim,
     )
-    if spec.shape != tuple(p._local_tensor.shape):  # type: ignore[attr-defined]
+    if spec.shape != tuple(p._local_tensor.shape):
         raise MeshError(
-            f"parameter {name!r}: its local tensor has shape {tuple(p._local_tensor.shape)} "  # type: ignore[attr-defined]
+            f"parameter {name!r}: its local tensor has shape {tuple(p._local_tensor.shape)} "
             f"but its placements {tuple(p.placements)} give {spec.shape}; FSDP composes with "
             "DTensors that follow torch.chunk's sharding (as distribute_tensor makes them)"
         )
