@@ -71,12 +71,14 @@ def check_shard_dim(
     _check_world(world_size)
     if len(shape) == 0:
         raise ScalarParameterError(
-            f"{name} is a 0-d (scalar) tensor: fully_shard doesn't support scalar parameters; keep it out of FSDP with "
-            "ignored_params, or make it a 1-element tensor"
+            f"{name} is a 0-d (scalar) tensor: fully_shard doesn't support scalar parameters. "
+            f"Change {name} to a 1D tensor with numel equal to 1, or keep it out of FSDP with "
+            "ignored_params"
         )
     if not -len(shape) <= shard_dim < len(shape):
         raise IndivisibleError(
-            f"{name}: Shard({shard_dim}) is invalid for shape {tuple(shape)} (dim out of range)",
+            f"{name}: Shard dim {shard_dim} is invalid for {len(shape)}D tensor: "
+            f"torch.Size({list(shape)}) (dim out of range)",
             dim=shard_dim,
             size=len(shape),
             factor=world_size,
