@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AlreadyShardedError",
     "CollectiveError",
     "CollectiveTimeoutError",
     "PeerAbortedError",
@@ -103,6 +104,12 @@ class StateError(FSDPError, RuntimeError, ValueError):
     its root) and ``ValueError`` for a plain module where an FSDP module is expected
     (``set_modules_to_forward_prefetch([nn.Linear(...)])``).
     """
+
+
+class AlreadyShardedError(StateError, AssertionError):
+    """``fully_shard`` was called again on a module it already sharded. Raised at the second
+    call, before anything changes; an ``AssertionError`` too, as FSDP2's composable-API
+    check raises."""
 
 
 class PolicyError(FSDPError, ValueError):

@@ -128,6 +128,12 @@ def _mesh_2d_unnamed(fs, mesh) -> None:
     fs(_lin(), mesh=init_device_mesh("cpu", (1, dist.get_world_size())))
 
 
+def _twice(fs, mesh) -> None:
+    m = _lin()
+    fs(m, mesh=mesh)
+    fs(m, mesh=mesh)
+
+
 # name -> (mistake(fully_shard, mesh), the phrase of FSDP2's message)
 MISTAKES = {
     "container_without_forward": (
@@ -175,6 +181,7 @@ MISTAKES = {
     "meta_parameters_at_forward": (_meta, "materialized from meta device"),
     "two_modules_as_root": (_two_roots, "requires a single root module"),
     "prefetch_plain_module": (_prefetch_plain, "Expects FSDPModule"),
+    "fully_shard_twice": (_twice, "has already been applied to the following module"),
 }
 
 
@@ -238,3 +245,283 @@ def test_errors_are_drop_in_for_fsdp2(world2: World) -> None:
         elif not ok:
             problems[name] = r
     assert not problems, problems
+
+
+# ----------------------------------------------------------- issue 18: FSDP2 contracts
+
+
+def _shard1_all(p):
+    from torch.distributed.tensor import Shard
+
+    return Shard(1)
+
+
+def case_fsdp2_message_regexes() -> dict:
+    """The messages ``assertRaisesRegex`` users match, with FSDP2's own regexes: each mistake
+    runs under torch's ``fully_shard`` and ours, and the same regex must match both."""
+    import re
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh_3d = init_device_mesh("cpu", (dist.get_world_size(), 1, 1))
+    cases = {
+        "mesh_3d": (
+            lambda fs: fs(_lin(), mesh=mesh_3d),
+            re.escape(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh_3d}"),
+        ),
+        "scalar_parameter": (
+            lambda fs: fs(_Scalar(), mesh=_mesh()),
+            r"fully_shard doesn't support scalar parameters\. "
+            r"Change scale to a 1D tensor with numel equal to 1",
+        ),
+        "shard_dim_invalid": (
+            lambda fs: fs(nn.Linear(4, 4), mesh=_mesh(), shard_placement_fn=_shard1_all),
+            r"Shard dim 1 is invalid for 1D tensor: torch\.Size\(\[4\]\)",
+        ),
+    }
+    out = {}
+    for name, (fn, regex) in cases.items():
+        row = {}
+        for which, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
+            try:
+                fn(fs)
+                row[which] = "no error"
+            except Exception as e:
+                row[which] = bool(re.search(regex, str(e))) or f"{type(e).__name__}: {e}"
+        out[name] = row
+    return out
+
+
+def test_messages_match_fsdp2_regexes(world2: World) -> None:
+    rows = world2.run(case_fsdp2_message_regexes)[0]
+    assert all(r == {"torch": True, "ours": True} for r in rows.values()), rows
+
+
+def case_fully_shard_twice_changes_nothing() -> dict:
+    """A second ``fully_shard`` on a module raises at the call (as FSDP2) and leaves the
+    module as it was: it still trains like the reference."""
+    from functional_fsdp.errors import AlreadyShardedError
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(_lin(), nn.ReLU(), _lin())
+    m = nn.Sequential(_lin(), nn.ReLU(), _lin())
+    m.load_state_dict(ref.state_dict())
+    fully_shard(m[0], mesh=_mesh())
+    fully_shard(m, mesh=_mesh())
+    raised = []
+    for target, named in ((m[0], "'Linear'"), (m, "'Sequential'"), ([m[2], m[0]], "'Linear'")):
+        try:
+            fully_shard(target, mesh=_mesh())
+        except AlreadyShardedError as e:
+            raised.append(isinstance(e, AssertionError) and named in str(e))
+    _sgd(m, _batches(3))
+    _sgd(ref, _batches(3), reference=True)
+    return {"raised": raised, "max_diff": _max_diff(m, ref)}
+
+
+def test_fully_shard_twice_raises_at_the_call(world2: World) -> None:
+    res = world2.run(case_fully_shard_twice_changes_nothing)
+    for r in res:
+        assert r["raised"] == [True, True, True], r
+        assert r["max_diff"] <= 1e-6, r
+
+
+# Training helpers: every rank trains on its own batches; the single-process reference on the
+# mean loss over all ranks' batches (the gradient FSDP's reduce-scatter averages).
+
+
+def _batches(steps: int, micro: int = 1, dim: int = 4) -> list[list[list[torch.Tensor]]]:
+    """``[step][micro-batch][rank]`` inputs."""
+    ws = dist.get_world_size()
+    return [
+        [
+            [
+                torch.randn(3, dim, generator=torch.Generator().manual_seed(100 * s + 10 * mb + r))
+                for r in range(ws)
+            ]
+            for mb in range(micro)
+        ]
+        for s in range(steps)
+    ]
+
+
+def _sgd(
+    model: nn.Module, batches: list, *, reference: bool = False, opt_after_forward: bool = False
+) -> list[float]:
+    """SGD steps over ``batches``; ``reference``: a single process over every rank's inputs."""
+    opt = None if opt_after_forward else torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    losses = []
+    for step in batches:
+        total = 0.0
+        for mb, per_rank in enumerate(step):
+            if not reference and len(step) > 1:
+                model.set_requires_gradient_sync(mb == len(step) - 1)
+            xs = per_rank if reference else [per_rank[rank]]
+            loss = sum(model(x).pow(2).mean() for x in xs) / len(xs)
+            if opt is None:  # after the first forward (lazy init), before its backward
+                opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            loss.backward()
+            total += loss.item()
+        assert opt is not None
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses
+
+
+def _max_diff(model: nn.Module, ref: nn.Module) -> float:
+    full = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
+        for n, p in model.named_parameters()
+    }
+    return max((full[n] - p.detach()).abs().max().item() for n, p in ref.named_parameters())
+
+
+class _FcBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.fc(x))
+
+
+def _replaced(fs, kind: str, full: dict[str, torch.Tensor]) -> nn.Module:
+    """A model sharded on the meta device whose parameters are then replaced by real ones
+    (``kind``: full plain tensors, or ``DTensor`` s with the FSDP placement)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    with torch.device("meta"):
+        m = nn.Sequential(_FcBlock(), nn.Linear(5, 3))
+    fs(m[0], mesh=_mesh())
+    fs(m, mesh=_mesh())
+    for name, t in full.items():
+        owner, leaf = name.rsplit(".", 1)
+        data = t.clone() if kind == "plain" else distribute_tensor(t.clone(), _mesh(), [Shard(0)])
+        setattr(m.get_submodule(owner), leaf, nn.Parameter(data))
+    return m
+
+
+def case_parameters_replaced_before_first_forward() -> dict:
+    """``block.fc.weight = nn.Parameter(...)`` after ``fully_shard``, before the first forward:
+    lazy init adopts it (FSDP2's ``reset_sharded_param``). A ``DTensor`` with the FSDP
+    placement is kept as it is (an optimizer built before holds it); a full plain tensor is
+    sharded into a new parameter (FSDP2 cannot: ``AttributeError``), with a warning."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(1)
+    ref = nn.Sequential(_FcBlock(), nn.Linear(5, 3))
+    full = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    batches = _batches(3)
+    out: dict = {"reference": _sgd(ref, batches, reference=True)}
+    for which, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
+        m = _replaced(fs, "dtensor", full)
+        out[f"{which}_dtensor"] = _sgd(m, batches)
+        out[f"{which}_dtensor_diff"] = _max_diff(m, ref)
+    m = _replaced(fully_shard, "plain", full)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["ours_plain"] = _sgd(m, batches, opt_after_forward=True)
+    out["ours_plain_diff"] = _max_diff(m, ref)
+    out["warned"] = sorted({str(w.message).split("'")[1] for w in caught})
+    out["placements"] = sorted({str(tuple(p.placements)) for p in m.parameters()})
+    out["local_rows"] = tuple(m[0].fc.weight.to_local().shape)
+    try:
+        _sgd(_replaced(torch_fully_shard, "plain", full), batches[:1])
+        out["torch_plain"] = "trained"
+    except AttributeError:
+        out["torch_plain"] = "AttributeError"
+    return out
+
+
+def test_parameters_replaced_before_first_forward_are_adopted(world2: World) -> None:
+    res = world2.run(case_parameters_replaced_before_first_forward)
+    for rank, r in enumerate(res):
+        for key in ("ours_dtensor", "ours_plain"):
+            assert max(abs(a - b) for a, b in zip(r[key], r["torch_dtensor"])) <= 1e-5, (key, r)
+        for key in ("torch_dtensor", "ours_dtensor", "ours_plain"):
+            assert r[f"{key}_diff"] <= 1e-5, (key, r)  # full parameters vs the reference
+        assert r["warned"] == ["1.bias", "1.weight", "fc.bias", "fc.weight"], r
+        assert r["placements"] == ["(Shard(dim=0),)"], r
+        # torch.chunk's rows: 5 rows on 2 ranks -> 3 + 2.
+        assert r["local_rows"] == ((3, 4) if rank == 0 else (2, 4)), r
+        assert r["torch_plain"] == "AttributeError", r
+
+
+class _CkptBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 6)
+        self.fc2 = nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc(x)))
+
+
+class _CkptNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_CkptBlock() for _ in range(2))
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def case_composable_checkpoint(order: str) -> dict:
+    """``checkpoint(block)`` (torch.distributed._composable) on a sharded block, applied
+    before or after ``fully_shard(block)``, trained with gradient accumulation (no-sync
+    micro-batches): equal to FSDP2 and to the single-process reference, and no forward is
+    taken for one that raised (the recompute stops early by raising inside the block)."""
+    import logging
+
+    from torch.distributed._composable import checkpoint
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    torch.manual_seed(0)
+    ref = _CkptNet()
+    batches = _batches(3, micro=2)
+    _sgd(ref, batches, reference=True)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign,assignment]
+    logging.getLogger("functional_fsdp").addHandler(handler)
+    out: dict = {}
+    try:
+        for which, fs in (("torch", torch_fully_shard), ("ours", fully_shard)):
+            torch.manual_seed(0)
+            m = _CkptNet()
+            for b in m.blocks:
+                if order == "checkpoint_first":
+                    checkpoint(b)
+                    fs(b, mesh=_mesh())
+                else:
+                    fs(b, mesh=_mesh())
+                    checkpoint(b)
+            fs(m, mesh=_mesh())
+            out[which] = _sgd(m, batches)
+            out[f"{which}_diff"] = _max_diff(m, ref)
+    finally:
+        logging.getLogger("functional_fsdp").removeHandler(handler)
+    out["warnings"] = [r.getMessage() for r in records]
+    return out
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="needs the state.py exit hook to ignore the recompute (see docs/fsdp2_mapping.md, "
+    "composable checkpoint): in hooks_for's exit_, mark the root interrupted only when "
+    "`not finished and not _in_backward()`",
+)
+@pytest.mark.parametrize("order", ["checkpoint_first", "fully_shard_first"])
+def test_composable_checkpoint_on_a_sharded_block(world2: World, order: str) -> None:
+    for r in world2.run(case_composable_checkpoint, order):
+        assert max(abs(a - b) for a, b in zip(r["ours"], r["torch"])) <= 1e-5, r
+        assert r["torch_diff"] <= 1e-5 and r["ours_diff"] <= 1e-5, r
+        assert r["warnings"] == [], r

@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ..codec import has_hooks
-from ..errors import MeshError, PolicyError, TiedParameterError
+from ..errors import AlreadyShardedError, MeshError, PolicyError, TiedParameterError
 from ..layout import check_sub_group_size
 from ..records import MixedPrecisionPolicy, OffloadPolicy, ParamSpec
 from ..transitions import shard_tensors
@@ -118,6 +118,14 @@ def _modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     if not modules or not all(isinstance(m, nn.Module) for m in modules):
         raise TypeError("fully_shard expects an nn.Module or a non-empty list of nn.Modules")
     for m in modules:
+        if (state := getattr(m, "_ffsdp_state", None)) is not None:
+            # FSDP2's composable-API check, at the call (a second state would only fail later).
+            raise AlreadyShardedError(
+                f"fully_shard has already been applied to the following module: "
+                f"{type(m).__name__} ({state.name!r}). Each distinct composable "
+                "distributed API can only be applied to a module once; call fully_shard once "
+                "per module (each block, then the root)"
+            )
         if isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             raise PolicyError(
                 f"fully_shard does not support containers that do not implement forward "
@@ -222,8 +230,9 @@ def _resolve_mesh(mesh: DeviceMesh | None, modules: list[nn.Module]) -> DeviceMe
         raise MeshError(f"mesh must be a torch DeviceMesh, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise MeshError(
-            f"fully_shard expects a 1D or 2D DeviceMesh: 1-D (FSDP) or 2-D (replicate, shard) for HSDP, got a {mesh.ndim}-D mesh; "
-            "slice the data-parallel dims out of a larger mesh (mesh['dp'])"
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: 1-D (FSDP) or 2-D "
+            f"(replicate, shard) for HSDP, not {mesh.ndim}-D; slice the data-parallel dims out "
+            "of a larger mesh (mesh['dp'])"
         )
     if mesh.get_coordinate() is None:
         raise MeshError("this rank is not part of the mesh passed to fully_shard")

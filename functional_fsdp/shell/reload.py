@@ -10,6 +10,7 @@ per rank that a training run without checkpoints does not need).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -39,13 +40,45 @@ def readopt_after_load(module: nn.Module, incompatible_keys: Any) -> None:
     group: ParamGroup | None = state.group if state is not None else None
     if group is None or group.training_state is not TrainingState.IDLE:
         return
+    readopt_replaced(group, "load_state_dict(assign=True)")
+
+
+def readopt_replaced(
+    group: ParamGroup, why: str, *, parameters_only: bool = False, warn_new_objects: bool = False
+) -> bool:
+    """Re-adopt the parameters of ``group`` that were replaced on their modules.
+
+    A replacement (``load_state_dict(assign=True)``, or ``block.fc.weight = nn.Parameter(...)``
+    between ``fully_shard`` and the first forward, as FSDP2 re-registers at lazy init) is
+    brought to the group's sharding: a ``DTensor`` with the group's placements is kept, one
+    with other placements is redistributed, and a full plain tensor is sliced locally (this
+    rank's ``torch.chunk`` rows). The group then packs them into a fresh sharded buffer that
+    their local tensors view, unless some parameter is still on the meta device (the first
+    forward then refuses it; ``to_empty`` re-adopts later).
+
+    Args:
+        group: the group (idle).
+        why: what replaced the parameters, for error messages.
+        parameters_only: leave a slot alone unless it holds an ``nn.Parameter`` (what
+            ``module.weight = ...`` must assign): ``functional_call`` puts plain tensors there
+            for one forward, which the forward takes as sources (``functional_path``).
+        warn_new_objects: warn when a replacement is registered as a new parameter object
+            (an optimizer that holds the replacing object would silently not train it).
+
+    Returns:
+        Whether any parameter was replaced.
+
+    Raises:
+        LayoutMismatchError: a replacement's global shape differs from the parameter's.
+    """
+    slots = [holders[0][0]._parameters.get(holders[0][1]) for holders in group.holders]
     replaced = [
         i
-        for i, holders in enumerate(group.holders)
-        if holders[0][0]._parameters.get(holders[0][1]) is not group.params[i]
+        for i, (slot, p) in enumerate(zip(slots, group.params))
+        if slot is not p and not (parameters_only and not isinstance(slot, nn.Parameter))
     ]
     if not replaced:
-        return
+        return False
     for i in replaced:
         mod, name = group.holders[i][0]
         new = mod._parameters.get(name)
@@ -55,7 +88,7 @@ def readopt_after_load(module: nn.Module, incompatible_keys: Any) -> None:
             continue
         if _same_sharding(new, ref):
             continue
-        local = _local_for(new, ref, group, i)
+        local = _local_for(new, ref, group, i, why)
         dt = DTensor.from_local(
             local,
             ref.device_mesh,
@@ -64,8 +97,22 @@ def readopt_after_load(module: nn.Module, incompatible_keys: Any) -> None:
             shape=ref.shape,
             stride=ref.stride(),
         )
+        if warn_new_objects:
+            warnings.warn(
+                f"{why}: {group.layout.specs[i].fqn!r} of {group.name!r} is not a DTensor with "
+                f"the placements {tuple(ref.placements)}; it was sharded into a new parameter "
+                "object, so an optimizer built before this forward does not train it. Build "
+                "the optimizer after the first forward, or assign nn.Parameter("
+                "distribute_tensor(t, mesh, placements)), which is kept as it is",
+                UserWarning,
+                stacklevel=2,
+            )
         mod._parameters[name] = nn.Parameter(dt, requires_grad=ref.requires_grad)
-    group.refresh_from_modules()
+    current = [h[0][0]._parameters[h[0][1]] for h in group.holders]
+    locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p in current]
+    if not any(t is not None and t.is_meta for t in locals_):
+        group.refresh_from_modules()
+    return True
 
 
 def _same_sharding(new: torch.Tensor, ref: Any) -> bool:
@@ -79,7 +126,7 @@ def _same_sharding(new: torch.Tensor, ref: Any) -> bool:
     )
 
 
-def _local_for(new: torch.Tensor, ref: Any, group: ParamGroup, i: int) -> torch.Tensor:
+def _local_for(new: torch.Tensor, ref: Any, group: ParamGroup, i: int, why: str) -> torch.Tensor:
     """This rank's shard of parameter ``i`` from ``new`` (a global tensor or any ``DTensor``).
 
     Under 2-D FSDP + TP the shapes compared are global (``ParamSpec.global_shape``); a plain
@@ -89,8 +136,8 @@ def _local_for(new: torch.Tensor, ref: Any, group: ParamGroup, i: int) -> torch.
     shape = spec.global_shape or spec.shape
     if tuple(new.shape) != shape:
         raise LayoutMismatchError(
-            f"load_state_dict(assign=True): {spec.fqn!r} has shape {tuple(new.shape)} but the sharded "
-            f"module expects the full shape {shape}; load a state dict of the same model"
+            f"{why}: {spec.fqn!r} has shape {tuple(new.shape)} but the sharded module expects "
+            f"the full shape {shape}; give it a tensor of the parameter's full shape"
         )
     with torch.no_grad():
         if isinstance(new, DTensor):

@@ -91,6 +91,19 @@ class FSDPState:
                     f"model(x) on {self.name!r}, not a submodule), or build the model again and "
                     "apply fully_shard afresh"
                 )
+        from .reload import readopt_replaced
+
+        for s in states:
+            # A parameter replaced on its module since fully_shard (e.g. a meta parameter
+            # swapped for a real one) is sharded and adopted, as FSDP2 re-registers at lazy init
+            # (not a functional_call / torch.func substitute: a plain or wrapped tensor).
+            if s.group is not None and not torch._C._are_functorch_transforms_active():
+                readopt_replaced(
+                    s.group,
+                    "a parameter replaced before the first forward",
+                    parameters_only=True,
+                    warn_new_objects=True,
+                )
         for s in states:
             if s.group is not None and s.group.state.flat.is_meta:
                 raise StateError(
