@@ -387,3 +387,67 @@ def test_compressed_hsdp_with_accumulation(world2: World, mesh_shape) -> None:
 def test_compression_bad_input_named_errors(world2: World) -> None:
     for msgs in world2.run(case_errors):
         assert len(msgs) == 4, msgs
+
+
+def _groups(model: Any) -> list:
+    return [
+        m._ffsdp_state.group
+        for m in model.modules()
+        if getattr(m, "_ffsdp_state", None) is not None and m._ffsdp_state.group is not None
+    ]
+
+
+def _load(model: Any, opt: Any, path: str) -> None:
+    """The documented resume: ``load_checkpoint`` into the state dict, then ``set_state_dict``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    F.load_checkpoint(sd, path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
+
+def case_rollback_equals_fresh_resume(path: str) -> dict:
+    """Train 2 steps with int8 + error feedback, save, train 2 more (the residual moves on),
+    roll the same model back to the checkpoint and train 2 steps; a fresh model loading the
+    same checkpoint and training the same 2 steps is the truth (it starts from zero residuals)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    policy = F.GradCompression(block_size=64)
+    live = _build(policy)
+    opt = torch.optim.AdamW(live.parameters(), lr=1e-2)
+    _train(live, opt, 2)
+    msd, osd = get_state_dict(live, opt)
+    F.save_checkpoint({"model": msd, "optim": osd}, path)
+    _train(live, opt, 2)
+    had_residual = [g.state.residual is not None for g in _groups(live)]
+    _load(live, opt, path)
+    residual_after_load = [g.state.residual is not None for g in _groups(live)]
+    rolled = _train(live, opt, 2)
+
+    torch.manual_seed(1)  # other initial weights: the checkpoint must replace them
+    fresh = _build(policy)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    _load(fresh, fresh_opt, path)
+    resumed = _train(fresh, fresh_opt, 2)
+    pairs = list(zip(live.parameters(), fresh.parameters()))
+    return {
+        "had_residual": had_residual,
+        "residual_after_load": residual_after_load,
+        "losses": (rolled, resumed),
+        "params_equal": [torch.equal(a._local_tensor, b._local_tensor) for a, b in pairs],
+        "max_diff": max((a._local_tensor - b._local_tensor).abs().max().item() for a, b in pairs),
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_loading_parameters_resets_the_residual(world2: World, tmp_path) -> None:
+    """docs/compression.md: a resumed run starts from zero residuals, in a fresh process or in
+    the same one, so rolling back and continuing equals resuming, bit for bit."""
+    for res in world2.run(case_rollback_equals_fresh_resume, str(tmp_path / "ckpt")):
+        assert all(res["had_residual"]), res  # compression ran and kept a residual
+        assert not any(res["residual_after_load"]), res
+        rolled, resumed = res["losses"]
+        assert rolled == resumed, res
+        assert all(res["params_equal"]), res["max_diff"]
