@@ -513,12 +513,6 @@ def case_composable_checkpoint(order: str) -> dict:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the state.py exit hook to ignore the recompute (see docs/fsdp2_mapping.md, "
-    "composable checkpoint): in hooks_for's exit_, mark the root interrupted only when "
-    "`not finished and not _in_backward()`",
-)
 @pytest.mark.parametrize("order", ["checkpoint_first", "fully_shard_first"])
 def test_composable_checkpoint_on_a_sharded_block(world2: World, order: str) -> None:
     for r in world2.run(case_composable_checkpoint, order):

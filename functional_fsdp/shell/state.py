@@ -410,7 +410,9 @@ def hooks_for(state: FSDPState) -> tuple[Callable, Callable, Callable]:
 
     def exit_(module: nn.Module, args: tuple, output: Any) -> None:
         finished = state.calls.pop()[0] if state.calls else True
-        if not finished:
+        # (An activation-checkpoint recompute in backward stops early by raising inside the
+        # module on purpose: that is not a failed forward.)
+        if not finished and not _in_backward():
             (state.root or state).interrupted = True
 
     # Under torch.compile the hooks run eagerly (a graph break on each side of the module's
