@@ -13,6 +13,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from . import errors
+from ._torch_muon_guard import install as _install_torch_muon_guard
 from ._tree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from .comm import Communicator, Work
 from .compression import GradCompression
@@ -29,7 +30,7 @@ from .records import (
 from .transitions import reduce_grad, reshard, shard, unshard, writeback
 
 if TYPE_CHECKING:
-    from . import functional
+    from . import functional, optim
     from .functional import TrainState, apply_to_module, make_train_step
     from .functional import init as init_train_state
     from .shell import (
@@ -53,6 +54,7 @@ __version__ = "0.1.0"
 # Public name -> (module, attribute); loaded on first access (module ``__getattr__``).
 _LAZY: dict[str, tuple[str, str | None]] = {
     "functional": (".functional", None),
+    "optim": (".optim", None),
     "TrainState": (".functional", "TrainState"),
     "apply_to_module": (".functional", "apply_to_module"),
     "make_train_step": (".functional", "make_train_step"),
@@ -76,6 +78,11 @@ _LAZY: dict[str, tuple[str, str | None]] = {
         )
     },
 }
+
+
+# torch.optim.Muon stepped on sharded DTensor parameters raises instead of silently
+# orthogonalizing without the whole matrix (a global step pre-hook, see _torch_muon_guard).
+_TORCH_MUON_GUARD = _install_torch_muon_guard()
 
 
 def __getattr__(name: str) -> Any:
@@ -118,6 +125,7 @@ __all__ = [
     "init_train_state",
     "load_checkpoint",
     "make_train_step",
+    "optim",
     "reduce_grad",
     "register_fsdp_forward_method",
     "reshard",

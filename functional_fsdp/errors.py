@@ -30,6 +30,7 @@ __all__ = [
     "UncheckedCheckpointWarning",
     "UnsupportedError",
     "UnsupportedPlacementError",
+    "WholeMatrixError",
 ]
 
 
@@ -218,3 +219,11 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 class PeerAbortedError(CollectiveError):
     """Another rank abandoned the current collectives (it failed, or called ``reset_iter_state``)."""
+
+
+class WholeMatrixError(FSDPError, ValueError):
+    """A whole-matrix optimizer (``functional_fsdp.optim.Muon``, ``functional.muon``,
+    ``functional.whole_matrix``) was asked to treat a tensor as a matrix it cannot gather: not
+    2-D, or a placement other than ``Shard(0)`` / ``Replicate`` on its mesh (2-D FSDP + TP), or
+    local rows that are not ``torch.chunk``'s; also raised when ``torch.optim.Muon`` is stepped
+    on sharded ``DTensor`` parameters, which it does not orthogonalize as whole matrices."""

@@ -37,6 +37,7 @@ from .transforms import (
     scale_by_learning_rate,
     scale_by_schedule,
 )
+from .whole_matrix import MuonState, WholeMatrixState, muon, whole_matrix
 
 if TYPE_CHECKING:
     from .bridges import (
@@ -70,12 +71,14 @@ _SHELL_HALF = {
     ),
     "step": (
         "LossFn",
+    "MuonState",
         "TrainState",
         "TrainStep",
         "apply_to_module",
         "check_not_donated",
         "init",
         "make_train_step",
+    "muon",
         "with_params",
     ),
 }
@@ -107,6 +110,7 @@ __all__ = [
     "TransformInitFn",
     "TransformUpdateFn",
     "UpdateFn",
+    "WholeMatrixState",
     "adamw",
     "add_decayed_weights",
     "apply_to_module",
@@ -132,5 +136,6 @@ __all__ = [
     "summon_state",
     "to_state_dict",
     "to_torch_optimizer",
+    "whole_matrix",
     "with_params",
 ]
