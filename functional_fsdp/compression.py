@@ -112,6 +112,12 @@ def _fields(wire: torch.Tensor, numel: int, policy: GradCompression) -> tuple:
     """Views of the scales (fp32 ``(n, nb)``) and the payload (``(n, numel)`` of the wire
     dtype) in encoded rows ``wire`` (uint8 ``(n, m)``)."""
     nb = policy._blocks(numel)
+    if numel == 0:  # a group of empty shards: nothing on the wire (a 0-wide byte view of
+        # a 0-wide buffer has a stride a dtype view rejects)
+        n = wire.shape[0]
+        return wire.new_empty((n, 0), dtype=torch.float32), wire.new_empty(
+            (n, 0), dtype=policy.dtype
+        )
     scales = wire[:, : 4 * nb].view(torch.float32)
     payload = wire[:, 4 * nb : 4 * nb + numel * policy.dtype.itemsize].view(policy.dtype)
     return scales, payload

@@ -451,3 +451,16 @@ def test_loading_parameters_resets_the_residual(world2: World, tmp_path) -> None
         rolled, resumed = res["losses"]
         assert rolled == resumed, res
         assert all(res["params_equal"]), res["max_diff"]
+
+
+@pytest.mark.parametrize("ws", [2, 3])
+def test_a_group_of_only_empty_shards_reduces_compressed(ws: int) -> None:
+    """Nothing goes on the wire for a ``(0, n)`` parameter (a zero-width byte buffer cannot be
+    viewed as the scales' dtype: it raised before)."""
+
+    def body(c: Any) -> Any:
+        s = F.shard({"a": torch.randn(0, 3)}, world_size=ws, rank=c.rank)
+        return F.reduce_grad({"a": torch.zeros(0, 3)}, s, c, compression=F.GradCompression())
+
+    for out in SimulatedWorld(ws).run(body):
+        assert out.grads[0].shape == (0, 3)
