@@ -7,6 +7,7 @@ from typing import Any
 __all__ = [
     "AlreadyShardedError",
     "CollectiveError",
+    "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "PeerAbortedError",
     "CheckpointIntegrityError",
@@ -219,6 +220,15 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 class PeerAbortedError(CollectiveError):
     """Another rank abandoned the current collectives (it failed, or called ``reset_iter_state``)."""
+
+
+class CollectiveMismatchError(CollectiveTimeoutError):
+    """The ranks wait for different collectives (a different number of micro-batches, a
+    submodule run on some ranks only, ``set_requires_gradient_sync`` or ``summon_full_params``
+    on some ranks only): found by comparing the ranks' positions after a few seconds of waiting
+    (``FFSDP_MISMATCH_GRACE``) instead of waiting out the timeout. Raised on every rank; the
+    message names where each rank waits (collective kind and module). A
+    :class:`CollectiveTimeoutError`, so handlers written for the timeout still catch it."""
 
 
 class WholeMatrixError(FSDPError, ValueError):

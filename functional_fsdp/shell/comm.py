@@ -10,8 +10,11 @@ replacements move the same bytes as the native collective, so gloo groups use th
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,19 +22,28 @@ import torch
 import torch.distributed as dist
 
 from ..comm import DoneWork, Work
-from ..errors import CollectiveError, CollectiveTimeoutError, PeerAbortedError
-from .schedule import ScopedComm, Waiter
+from ..errors import (
+    CollectiveError,
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    PeerAbortedError,
+)
+from .schedule import ALL_REDUCE, OPS, Position, ScopedComm, Waiter, stack_groups
 
 __all__ = ["ProcessGroupComm"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+# Collectives remembered per communicator (what each rank ran as collective #n, for the
+# mismatch check; and the ones posted but not yet waited for, for resync).
+_RING = 4096
 
 
 class _ThenWork:
     """Wait for ``works`` (bounded, abort-aware, through ``comm``), then run ``then`` once
-    (e.g. the local sum of a point-to-point reduce-scatter)."""
+    (e.g. the local sum of a point-to-point reduce-scatter). ``seq``: the collective's number
+    in the communicator's epoch (names it in errors; its position in the mismatch check)."""
 
-    __slots__ = ("_comm", "_then", "_what", "_works")
+    __slots__ = ("_comm", "_seq", "_then", "_works")
 
     def __init__(
         self,
@@ -39,17 +51,18 @@ class _ThenWork:
         then: Callable[[], None] | None = None,
         *,
         comm: ProcessGroupComm,
-        what: str,
+        seq: int,
     ) -> None:
         self._works = works
         self._then = then
         self._comm = comm
-        self._what = what
+        self._seq = seq
 
     def wait(self) -> None:
         if self._works:
             works, self._works = self._works, []
-            self._comm.wait_works(works, self._what)
+            self._comm.wait_works(works, seq=self._seq)
+        self._comm._pending.pop(self._seq, None)
         if self._then is not None:
             then, self._then = self._then, None
             then()
@@ -86,9 +99,22 @@ class ProcessGroupComm:
         # messages; they time out instead and every rank raises a named error.
         self.check_schedule = os.environ.get("FFSDP_SCHEDULE_CHECK", "1") != "0"
         self.timeout_s = float(os.environ.get("FFSDP_COLLECTIVE_TIMEOUT", "600"))
+        # Mismatch check: a wait longer than this publishes the rank's position and compares
+        # it with the peers' (a mismatch is found in seconds; a slow peer is waited for).
+        self.grace_s = float(os.environ.get("FFSDP_MISMATCH_GRACE", "2"))
         self._epoch = 0
         self._waiter = Waiter()
         self._abandoned: list[Any] = []  # works (and their buffers) a failed step left posted
+        # Collective #n of this epoch: (n, key, kind, group name) at n % _RING.
+        self._history: list[tuple[int, int, int, str | None] | None] = [None] * _RING
+        # Point-to-point collectives posted and not yet waited for: seq -> (fp, messages).
+        self._pending: dict[int, tuple[int, list]] = {}
+        # Slow path only: group key -> module path; the communicators of the same process
+        # group used by the model (the peers' positions may be on any of them).
+        self._labels: dict[int, str] = {}
+        self._siblings: weakref.WeakValueDictionary[int, ProcessGroupComm] = (
+            weakref.WeakValueDictionary()
+        )
         # Ids that agree across ranks without any global registry: per-rank counters in the
         # process group's store (rank r's k-th id is k on every rank, as fully_shard runs in
         # the same order everywhere).
@@ -136,17 +162,29 @@ class ProcessGroupComm:
     def _aborts(self) -> int:
         return int(self._get_store().add(f"{self._pg_prefix}aborts", 0))
 
-    def _tags(self, count: int, key: int = 0, kind: int = 0) -> int:
-        """Base tag of one collective: ``epoch (2 bits) | fingerprint (9) | seq (8) | piece (12)``."""
+    def _begin(self, key: int, kind: int, name: str | None) -> int:
+        """Number the next collective (every rank counts alike) and remember what it is."""
+        seq = self._calls
+        self._calls += 1
+        self._history[seq % _RING] = (seq, key, kind, name)
+        return seq
+
+    def _tags(self, seq: int, count: int, key: int = 0, kind: int = 0) -> int:
+        """Base tag of collective ``seq``: ``epoch (2 bits) | fingerprint (9) | seq (8) | piece (12)``."""
         if count > 4096:
             raise ValueError(
                 f"too many pieces in one collective ({count} > 4096); split the group with "
                 "more fully_shard calls"
             )
-        seq = self._calls % 256
-        self._calls += 1
         fp = (key * 8 + kind) % 509 if self.check_schedule else 0
-        return ((((self._epoch % 4) << 9 | fp) << 8) | seq) << 12
+        return ((((self._epoch % 4) << 9 | fp) << 8) | seq % 256) << 12
+
+    def _remember(self, seq: int, key: int, kind: int, messages: list) -> None:
+        """Note collective ``seq``'s posted messages until it is waited for (see :meth:`drain`)."""
+        if messages:
+            self._pending[seq] = (key * 16 + kind, messages)
+            if len(self._pending) > _RING:  # dropped unwaited long ago: surely complete
+                del self._pending[next(iter(self._pending))]
 
     # ------------------------------------------------------------------ bounded waits
 
@@ -155,40 +193,177 @@ class ProcessGroupComm:
             self._store = dist.distributed_c10d._get_default_store()
         return self._store
 
-    def wait_works(self, works: list, what: str) -> None:
-        """Wait for ``works``; raise a named error (never hang) when the peers diverged or
-        abandoned them. Costs nothing when they are already complete."""
+    def wait_works(self, works: list, what: str | None = None, *, seq: int | None = None) -> None:
+        """Wait for ``works`` (collective ``seq`` of this epoch, or ``what``); raise a named
+        error (never hang) when the peers diverged or abandoned them. Costs nothing when they
+        are already complete; the store is read every 0.1 s of waiting (the peers' abort flag)
+        and, past ``grace_s``, the ranks' positions are compared every 0.5 s."""
         if all(w.is_completed() for w in works):
             for w in works:
                 w.wait()
             return
         done, box = self._waiter.submit(works)
-        deadline = time.monotonic() + self.timeout_s
-        while not done.wait(0.1):
-            aborted = self._peer_aborted()
-            if aborted is not None or time.monotonic() > deadline:
-                self._abandon(works)
-                if aborted is None:
+        start = time.monotonic()
+        deadline = start + self.timeout_s
+        check_at = start + self.grace_s if seq is not None and self._world_size > 1 else math.inf
+        published: str | None = None
+        record: dict[str, Any] = {}
+        try:
+            while not done.wait(0.1):
+                aborted = self._peer_aborted()
+                if aborted is not None:
+                    self._abandon(works)
+                    reason = self._mismatch_reason()
+                    if reason is not None:
+                        raise CollectiveMismatchError(reason)
+                    raise PeerAbortedError(
+                        f"rank {aborted} abandoned the current collectives while rank "
+                        f"{self._rank} waited for {self._what(seq, what)}; call "
+                        "reset_iter_state() on the root module on every rank to recover"
+                    )
+                now = time.monotonic()
+                if now >= check_at:
+                    assert seq is not None
+                    if published is None:
+                        published = self._position_key(self._rank)
+                        record = {"at": self._position(seq).to_json(), "unposted": []}
+                        self._get_store().set(published, json.dumps(record))
+                    message = self._mismatch(published, record)
+                    if message is not None:
+                        self._abandon(works)
+                        self._post_abort(message)
+                        raise CollectiveMismatchError(message)
+                    check_at = now + 0.5
+                if now > deadline:
+                    self._abandon(works)
                     self._post_abort()
                     raise CollectiveTimeoutError(
-                        f"rank {self._rank} waited {self.timeout_s:g} s for {what} (collective "
-                        f"#{self._calls} of epoch {self._epoch}); the other ranks are running "
-                        "a different schedule of collectives: a submodule run on some ranks "
-                        "only, a different number of micro-batches, set_requires_gradient_sync "
-                        "on some ranks only, or an exception on another rank. Call "
-                        "reset_iter_state() on the root module on every rank to recover "
-                        "(FFSDP_COLLECTIVE_TIMEOUT sets the limit in seconds)"
+                        f"rank {self._rank} waited {self.timeout_s:g} s for "
+                        f"{self._what(seq, what)} (epoch {self._epoch}); the other ranks are "
+                        "running a different schedule of collectives (a submodule run on some "
+                        "ranks only, a different number of micro-batches, "
+                        "set_requires_gradient_sync on some ranks only, or an exception on "
+                        "another rank) or are stuck outside FSDP. Call reset_iter_state() on "
+                        "the root module on every rank to recover (FFSDP_COLLECTIVE_TIMEOUT "
+                        "sets the limit in seconds)"
                     )
-                raise PeerAbortedError(
-                    f"rank {aborted} abandoned the current collectives while rank {self._rank} "
-                    f"waited for {what}; call reset_iter_state() on the root module on every "
-                    "rank to recover"
-                )
+        finally:
+            if published is not None:
+                self._get_store().set(published, "")  # no longer waiting there
         if box:
             raise CollectiveError(
-                f"{what} failed on rank {self._rank}: {box[0]}; a peer process probably died "
-                "or closed the connection (see its log)"
+                f"{self._what(seq, what)} failed on rank {self._rank}: {box[0]}; a peer process "
+                "probably died or closed the connection (see its log)"
             ) from box[0]
+
+    # ------------------------------------------------------------------ positions
+
+    def _what(self, seq: int | None, what: str | None) -> str:
+        if seq is None:
+            return what or "a collective"
+        return self._position(seq).describe()
+
+    def _entry(self, seq: int) -> tuple[int, int, int, str | None] | None:
+        """What this rank ran as collective ``seq`` of this epoch (``None``: not yet, or too
+        long ago to remember)."""
+        entry = self._history[seq % _RING] if 0 <= seq < self._calls else None
+        return entry if entry is not None and entry[0] == seq else None
+
+    def _position(self, seq: int) -> Position:
+        """This rank's collective ``seq``, named (module paths resolved on first use)."""
+        entry = self._entry(seq)
+        if entry is None:
+            return Position(self._rank, self._uid, self._epoch, seq, -1, "collective", "?")
+        _, key, kind, name = entry
+        nth = 0
+        if seq < _RING:
+            nth = sum(
+                1 for e in self._history[: seq + 1] if e is not None and e[1:3] == (key, kind)
+            )
+        return Position(
+            self._rank,
+            self._uid,
+            self._epoch,
+            seq,
+            key * 16 + kind,
+            OPS.get(kind, f"collective of kind {kind}"),
+            self._label(key, name),
+            nth,
+        )
+
+    def _label(self, key: int, name: str | None) -> str:
+        if key not in self._labels:
+            self._scan_stack()
+            self._labels.setdefault(key, "")
+        return self._labels[key] or name or f"#{key}"
+
+    def _sibling(self, uid: int) -> ProcessGroupComm | None:
+        """This rank's communicator ``uid`` on the same process group (if the model uses it)."""
+        if uid == self._uid:
+            return self
+        if uid not in self._siblings:
+            self._scan_stack()
+        return self._siblings.get(uid)
+
+    def _scan_stack(self) -> None:
+        labels, comms = stack_groups(self)
+        self._labels.update(labels)
+        for c in comms:
+            self._siblings[c._uid] = c
+
+    def _position_key(self, rank: int) -> str:
+        return f"{self._pg_prefix}position/{rank}"
+
+    def _mismatch(self, published: str, record: dict[str, Any]) -> str | None:
+        """Compare this rank's position with the waiting peers'; the message when they can
+        never complete, ``None`` while every waiting peer agrees, none waits, or it is not
+        yet known.
+
+        A waiting rank posts nothing until its wait ends, so the ranks are stuck for good when
+        a peer waits for a collective this rank posted differently (another group or kind),
+        or when each waits for one the other has not posted. This rank's ``record`` (in the
+        store under ``published``) lists the peers' positions it has not posted, for them to
+        decide the latter. A slow peer (computing, or a long transfer) publishes nothing or a
+        position this rank posted alike: it is waited for.
+        """
+        store = self._get_store()
+        mine = Position.from_json(record["at"])
+        unposted = [list(u) for u in record["unposted"]]
+        for r in range(self._world_size):
+            key = self._position_key(r)
+            if r == self._rank or not store.check([key]):
+                continue
+            text = store.get(key).decode()
+            if not text:
+                continue
+            peer = json.loads(text)
+            theirs = Position.from_json(peer["at"])
+            comm = self._sibling(theirs.uid)
+            if comm is None or comm._epoch != theirs.epoch:
+                continue  # cannot tell: wait
+            if comm._entry(theirs.seq) is None:
+                # Not posted here (and this rank posts nothing while it waits): stuck for good
+                # if the peer has not posted this rank's collective either.
+                ident = [r, theirs.uid, theirs.epoch, theirs.seq]
+                mine_ident = [self._rank, mine.uid, mine.epoch, mine.seq]
+                if mine_ident in peer["unposted"]:
+                    return _mismatch_message(mine, theirs, None)
+                if ident not in unposted:
+                    unposted.append(ident)
+                    record["unposted"] = unposted
+                    store.set(published, json.dumps(record))
+                continue
+            same = comm is self and theirs.seq == mine.seq
+            ours = mine if same else comm._position(theirs.seq)
+            if ours.fp != theirs.fp:
+                return _mismatch_message(mine, theirs, None if same else ours)
+            # The same collective: it completes once the transfer does; keep waiting.
+        return None
+
+    def _mismatch_reason(self) -> str | None:
+        key = f"{self._pg_prefix}mismatch/{self._aborts_seen}"
+        store = self._get_store()
+        return store.get(key).decode() if store.check([key]) else None
 
     def _peer_aborted(self) -> str | None:
         """Which rank gave up on the current collectives (``None``: nobody)."""
@@ -197,8 +372,10 @@ class ProcessGroupComm:
         last = self._get_store().get(f"{self._pg_prefix}last_abort")
         return last.decode()
 
-    def _post_abort(self) -> None:
+    def _post_abort(self, mismatch: str | None = None) -> None:
         store = self._get_store()
+        if mismatch is not None:  # the peers raise CollectiveMismatchError with this message
+            store.set(f"{self._pg_prefix}mismatch/{self._aborts_seen}", mismatch)
         store.set(f"{self._pg_prefix}last_abort", str(dist.get_rank()))
         store.add(f"{self._pg_prefix}aborts", 1)
 
@@ -206,6 +383,48 @@ class ProcessGroupComm:
         # The posted buffers stay referenced: a late message must never land in freed memory.
         self._abandoned.append(works)
         self._waiter.abandon()
+
+    def drain(self) -> None:
+        """``reset_iter_state`` on every rank, once every rank has stopped issuing collectives
+        of this epoch: complete each point-to-point message the failed step left posted.
+
+        A collective that one rank posted and its peer posted differently (or never) can never
+        complete on its own: its receives would stay posted, their waiter threads blocked,
+        until gloo's own timeout closes the connection (every later collective then fails) or
+        the peer's exit wakes them during interpreter shutdown (the process aborts with
+        ``terminate called without an active exception``). Each rank publishes its unwaited
+        collectives; for each one a peer ran differently, the peer posts the counterpart
+        messages (zeros into a scratch buffer), and waits for them.
+        """
+        if self._world_size == 1:
+            return
+        store = self._get_store()
+        me = self._rank
+        mine = [[seq, fp, messages] for seq, (fp, messages) in self._pending.items()]
+        key = f"{self._pg_prefix}{self._uid}/unwaited/{self._epoch}/"
+        store.set(f"{key}{me}", json.dumps(mine))
+        self._barrier("drain")
+        device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+        fixes = []
+        for r in range(self._world_size):
+            if r == me:
+                continue
+            for seq, fp, ops in json.loads(store.get(f"{key}{r}").decode()):
+                ours = self._entry(seq)
+                if ours is not None and ours[1] * 16 + ours[2] == fp:
+                    continue  # this rank posted the same collective: they pair
+                for is_send, peer, tag, nbytes in ops:
+                    if peer == me:
+                        scratch = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+                        post = dist.irecv if is_send else dist.isend
+                        fixes.append(
+                            dist.P2POp(post, scratch, self._global_ranks[r], self.group, tag)
+                        )
+        works = dist.batch_isend_irecv(fixes) if fixes else []
+        self.wait_works(works, "the messages reset_iter_state completes for the failed step")
+        self._pending.clear()
+        self._abandoned.clear()
+        self._waiter.reap(self.timeout_s)
 
     def _barrier(self, name: str) -> None:
         """Wait until every rank of the group reached ``name`` (through the store; bounded)."""
@@ -226,19 +445,29 @@ class ProcessGroupComm:
         peers: list[int],
         sends: list[list[torch.Tensor]],
         recvs: list[list[torch.Tensor]],
-        base: int,
+        seq: int,
+        key: int,
+        kind: int,
     ) -> list:
-        """Post ``sends[k]`` to and ``recvs[k]`` from group rank ``peers[k]`` (piece ``i`` on
-        tag ``base + i``); the works."""
+        """Post collective ``seq``: ``sends[k]`` to and ``recvs[k]`` from group rank
+        ``peers[k]`` (piece ``i`` on tag ``base + i``); the works."""
+        count = max([len(x) for x in sends] + [len(x) for x in recvs] + [0])
+        base = self._tags(seq, count, key, kind)
         ops = []
+        # (is a send, group rank, tag, bytes) of each message: what resync completes if a
+        # peer never posts the counterpart (no tensors held: the caller keeps those).
+        messages = []
         for r, out, into in zip(peers, sends, recvs):
             peer = self._global_ranks[r]
             for i, t in enumerate(out):
                 if t.numel():
                     ops.append(dist.P2POp(dist.isend, t, peer, self.group, base + i))
+                    messages.append((True, r, base + i, t.numel() * t.element_size()))
             for i, o in enumerate(into):
                 if o.numel():
                     ops.append(dist.P2POp(dist.irecv, o, peer, self.group, base + i))
+                    messages.append((False, r, base + i, o.numel() * o.element_size()))
+        self._remember(seq, key, kind, messages)
         return dist.batch_isend_irecv(ops) if ops else []
 
     def all_to_all(
@@ -249,6 +478,7 @@ class ProcessGroupComm:
         async_op: bool = False,
         key: int = 0,
         kind: int = 0,
+        name: str | None = None,
     ) -> Work:
         """Chunk ``r`` of 1-D ``input`` goes to rank ``r``; chunk ``r`` of ``output`` comes
         from rank ``r`` (point to point on gloo: gloo's all-to-all has no bounded wait)."""
@@ -261,11 +491,12 @@ class ProcessGroupComm:
             w = dist.all_to_all_single(output, input, group=self.group, async_op=async_op)
             return _done(w, async_op)
         peers = [r for r in range(ws) if r != me]
+        seq = self._begin(key, kind, name)
         works = self._post(
-            peers, [[ins[r]] for r in peers], [[outs[r]] for r in peers], self._tags(1, key, kind)
+            peers, [[ins[r]] for r in peers], [[outs[r]] for r in peers], seq, key, kind
         )
         outs[me].copy_(ins[me])
-        work = _ThenWork(works, comm=self, what=f"all-to-all of group {key}")
+        work = _ThenWork(works, comm=self, seq=seq)
         if not async_op:
             work.wait()
         return work
@@ -278,6 +509,7 @@ class ProcessGroupComm:
         async_op: bool = False,
         key: int = 0,
         kind: int = 1,
+        name: str | None = None,
     ) -> Work:
         """``outputs[r][i]`` receives rank ``r``'s ``inputs[i]`` (this rank's: a local copy)."""
         me, ws = self._rank, self._world_size
@@ -285,13 +517,15 @@ class ProcessGroupComm:
             for o, t in zip(outputs[me], inputs):
                 o.copy_(t)
             return DoneWork()
-        base = self._tags(len(inputs), key, kind)
+        seq = self._begin(key, kind, name)
         peers = [r for r in range(ws) if r != me]
-        works = self._post(peers, [inputs] * len(peers), [outputs[r] for r in peers], base)
+        works = self._post(
+            peers, [inputs] * len(peers), [outputs[r] for r in peers], seq, key, kind
+        )
         # The local copy runs while the peers' pieces are on the wire.
         for o, t in zip(outputs[me], inputs):
             o.copy_(t)
-        work = _ThenWork(works, comm=self, what=f"all-gather of group {key}")
+        work = _ThenWork(works, comm=self, seq=seq)
         if not async_op:
             work.wait()
         return work
@@ -305,6 +539,7 @@ class ProcessGroupComm:
         async_op: bool = False,
         key: int = 0,
         kind: int = 2,
+        name: str | None = None,
     ) -> Work:
         """``outputs[i]`` receives the reduction over ranks of their ``inputs[rank][i]``.
 
@@ -312,7 +547,7 @@ class ProcessGroupComm:
         """
         me, ws = self._rank, self._world_size
         own = inputs[me]
-        base = self._tags(len(outputs), key, kind)
+        seq = self._begin(key, kind, name)
         peers = [r for r in range(ws) if r != me]
         # Two ranks receive straight into the outputs; more ranks receive into a temporary so
         # the sum can run in rank order.
@@ -329,7 +564,7 @@ class ProcessGroupComm:
                     views.append(row.narrow(0, off, o.numel()))
                     off += o.numel()
                 slots.append(views)
-        works = self._post(peers, [inputs[r] for r in peers], slots, base)
+        works = self._post(peers, [inputs[r] for r in peers], slots, seq, key, kind)
 
         def then() -> None:
             for i, out in enumerate(outputs):
@@ -344,7 +579,7 @@ class ProcessGroupComm:
                 if op == "avg":
                     out.div_(ws)
 
-        work = _ThenWork(works, then, comm=self, what=f"reduce-scatter of group {key}")
+        work = _ThenWork(works, then, comm=self, seq=seq)
         if not async_op:
             work.wait()
         return work
@@ -367,6 +602,7 @@ class ProcessGroupComm:
         async_op: bool = False,
         key: int = 0,
         kind: int = 3,
+        name: str | None = None,
     ) -> Work:
         """Rank-major all-gather of 1-D ``input`` into ``output``."""
         if self._world_size == 1:
@@ -379,7 +615,7 @@ class ProcessGroupComm:
         # carry the schedule check).
         chunks = output.chunk(self._world_size)
         return self.all_gather_pieces(
-            [[c] for c in chunks], [input], async_op=async_op, key=key, kind=kind
+            [[c] for c in chunks], [input], async_op=async_op, key=key, kind=kind, name=name
         )
 
     def reduce_scatter(
@@ -391,6 +627,7 @@ class ProcessGroupComm:
         async_op: bool = False,
         key: int = 0,
         kind: int = 4,
+        name: str | None = None,
     ) -> Work:
         """Reduce 1-D ``input`` (``ws * n``) over ranks; this rank keeps chunk ``rank``."""
         ws = self._world_size
@@ -409,8 +646,9 @@ class ProcessGroupComm:
             outs = [output.view(-1)]
             ins = [[chunks[r]] for r in range(ws)]
             return self.reduce_scatter_pieces(
-                outs, ins, op=op, async_op=async_op, key=key, kind=kind
+                outs, ins, op=op, async_op=async_op, key=key, kind=kind, name=name
             )
+        seq = self._begin(key, kind, name)
         received = input.clone()
         works = [dist.all_reduce(received, group=self.group, async_op=True)]
 
@@ -419,19 +657,25 @@ class ProcessGroupComm:
             if op == "avg":
                 output.div_(ws)
 
-        work = _ThenWork(works, then, comm=self, what="reduce-scatter")
+        work = _ThenWork(works, then, comm=self, seq=seq)
         if not async_op:
             work.wait()
         return work
 
     def all_reduce(
-        self, tensor: torch.Tensor, *, op: str = "sum", async_op: bool = False, key: int = 0
+        self,
+        tensor: torch.Tensor,
+        *,
+        op: str = "sum",
+        async_op: bool = False,
+        key: int = 0,
+        name: str | None = None,
     ) -> Work:
         """In-place all-reduce; ``avg`` is a sum and a division on gloo. (gloo's native
         collective: its waits are bounded and abort-aware, its messages carry no key.)"""
-        del key
         if self._world_size == 1:
             return DoneWork()
+        seq = self._begin(key, ALL_REDUCE, name)
         then = None
         if op == "avg" and self._sum_only:
             w = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
@@ -441,7 +685,7 @@ class ProcessGroupComm:
 
         else:
             w = dist.all_reduce(tensor, op=_OPS[op], group=self.group, async_op=True)
-        work = _ThenWork([w], then, comm=self, what="all-reduce")
+        work = _ThenWork([w], then, comm=self, seq=seq)
         if not async_op:
             work.wait()
         return work
@@ -449,3 +693,21 @@ class ProcessGroupComm:
 
 def _done(work: object, async_op: bool) -> Work:
     return work if (async_op and work is not None) else DoneWork()  # type: ignore[return-value]
+
+
+def _mismatch_message(mine: Position, theirs: Position, ours: Position | None) -> str:
+    """Both positions by rank; ``ours``: what this rank ran as the peer's collective."""
+    first, second = sorted([mine, theirs], key=lambda p: p.rank)
+    text = (
+        f"the ranks wait for different collectives: rank {first.rank} waits for "
+        f"{first.describe()}, rank {second.rank} for {second.describe()}"
+    )
+    if ours is not None:
+        text += f"; rank {mine.rank} ran that collective #{theirs.seq} as {ours.describe()}"
+    else:
+        text += "; neither has run the other's"
+    return (
+        f"{text}. Typical causes: a different number of micro-batches, "
+        "set_requires_gradient_sync or summon_full_params on some ranks only, a submodule run "
+        "on some ranks only. Call reset_iter_state() on the root module on every rank to recover"
+    )

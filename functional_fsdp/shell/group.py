@@ -86,6 +86,9 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.name = name
+        for c in (comm, replicate_comm, sub_comm):
+            if isinstance(c, ScopedComm):
+                c.name = name  # collective errors name the group (schedule.py)
         self._set_layout(layout)
         self.params: list[nn.Parameter] = [
             nn.Parameter(self.dtensor(state.local(i), i), requires_grad=rg)
