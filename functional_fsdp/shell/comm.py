@@ -28,7 +28,7 @@ from ..errors import (
     CollectiveTimeoutError,
     PeerAbortedError,
 )
-from .schedule import ALL_REDUCE, OPS, Position, ScopedComm, Waiter, stack_groups
+from .schedule import ALL_REDUCE, OPS, Position, ScopedComm, Waiter
 
 __all__ = ["ProcessGroupComm"]
 
@@ -109,9 +109,8 @@ class ProcessGroupComm:
         self._history: list[tuple[int, int, int, str | None] | None] = [None] * _RING
         # Point-to-point collectives posted and not yet waited for: seq -> (fp, messages).
         self._pending: dict[int, tuple[int, list]] = {}
-        # Slow path only: group key -> module path; the communicators of the same process
-        # group used by the model (the peers' positions may be on any of them).
-        self._labels: dict[int, str] = {}
+        # The communicators of the same process group the model uses (a peer's position may
+        # be on any of them); told at the root's lazy init (schedule.introduce).
         self._siblings: weakref.WeakValueDictionary[int, ProcessGroupComm] = (
             weakref.WeakValueDictionary()
         )
@@ -292,24 +291,17 @@ class ProcessGroupComm:
         )
 
     def _label(self, key: int, name: str | None) -> str:
-        if key not in self._labels:
-            self._scan_stack()
-            self._labels.setdefault(key, "")
-        return self._labels[key] or name or f"#{key}"
+        return name or f"#{key}"
+
+    def meet(self, comms: list[ProcessGroupComm]) -> None:
+        """Know the other communicators of this process group (``schedule.introduce``)."""
+        for c in comms:
+            if c._pg_prefix == self._pg_prefix:
+                self._siblings[c._uid] = c
 
     def _sibling(self, uid: int) -> ProcessGroupComm | None:
         """This rank's communicator ``uid`` on the same process group (if the model uses it)."""
-        if uid == self._uid:
-            return self
-        if uid not in self._siblings:
-            self._scan_stack()
-        return self._siblings.get(uid)
-
-    def _scan_stack(self) -> None:
-        labels, comms = stack_groups(self)
-        self._labels.update(labels)
-        for c in comms:
-            self._siblings[c._uid] = c
+        return self if uid == self._uid else self._siblings.get(uid)
 
     def _position_key(self, rank: int) -> str:
         return f"{self._pg_prefix}position/{rank}"

@@ -139,14 +139,13 @@ class ParamGroup:
         """The shard group's communicator for ``summon_full_params`` (tags of their own)."""
         return self.comm.for_summon() if isinstance(self.comm, ScopedComm) else self.comm
 
+    def comms(self) -> list[Communicator]:
+        """The communicators this group's collectives run on (shard, replicate, sub-group)."""
+        return [c for c in (self.comm, self.replicate_comm, self.sub_comm) if c is not None]
+
     def base_comms(self) -> list[ProcessGroupComm]:
         """The shared process-group communicators this group's collectives run on."""
-        out = []
-        for c in (self.comm, self.replicate_comm, self.sub_comm):
-            base = base_comm(c)
-            if base is not None:
-                out.append(base)
-        return out
+        return [b for c in self.comms() if (b := base_comm(c)) is not None]
 
     def _set_layout(self, layout: GroupLayout) -> None:
         self.layout = layout
@@ -441,6 +440,14 @@ class ParamGroup:
         self.finish_reduce()
         self.grad_compression = compression
         if compression is None or not compression.error_feedback:
+            self.reset_residual()
+
+    def reset_residual(self) -> None:
+        """Start compressed reduction from a zero residual (after parameters are loaded:
+        docs/compression.md). A reduction in flight finishes first, so it cannot hand a
+        residual from before back afterwards."""
+        self.finish_reduce()
+        if self.state.residual is not None:
             self.state = attrs.evolve(self.state, residual=None)
 
     def gradients_captured(self) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import attrs
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
@@ -21,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from ..errors import LayoutMismatchError
 from .group import ParamGroup, TrainingState
 
-__all__ = ["readopt_after_load", "reset_residual"]
+__all__ = ["readopt_after_load"]
 
 
 def readopt_after_load(module: nn.Module, incompatible_keys: Any) -> None:
@@ -30,8 +29,9 @@ def readopt_after_load(module: nn.Module, incompatible_keys: Any) -> None:
     ``load_state_dict(assign=True)`` puts new parameter objects on the modules. Each one is
     brought to the group's sharding (a ``DTensor`` with other placements is redistributed, a
     full plain tensor is sliced locally) and the group packs them into a fresh sharded buffer
-    that their local tensors view. A plain (non-assign) load copies in place and needs nothing more.
-    Either way the group's compression residual is reset (:func:`reset_residual`).
+    that their local tensors view. A plain (non-assign) load copies in place and needs nothing
+    more. Either way the group's compression residual is reset (``ParamGroup.reset_residual``:
+    a run resumed from a checkpoint starts from zero, docs/compression.md).
 
     Args:
         module: a module passed to ``fully_shard`` (the hook's owner).
@@ -42,7 +42,7 @@ def readopt_after_load(module: nn.Module, incompatible_keys: Any) -> None:
     group: ParamGroup | None = state.group if state is not None else None
     if group is None or group.training_state is not TrainingState.IDLE:
         return
-    reset_residual(group)
+    group.reset_residual()
     readopt_replaced(group, "load_state_dict(assign=True)")
 
 
@@ -116,21 +116,6 @@ def readopt_replaced(
     if not any(t is not None and t.is_meta for t in locals_):
         group.refresh_from_modules()
     return True
-
-
-def reset_residual(group: ParamGroup) -> None:
-    """Drop the error-feedback residual of compressed reduction: loaded parameters start from
-    a zero residual.
-
-    The residual is not in ``state_dict()``, so a run resumed in a fresh process starts from
-    zero; a load into a live model (rolling back to a checkpoint) must too, or the two runs
-    differ from the first step on (docs/compression.md). A reduction still in flight is
-    finished first, so it cannot hand a pre-load residual back afterwards.
-    """
-    group.finish_reduce()
-    if group.state.residual is not None:
-        # The group owns its state; ParamGroup has no method for this one field yet.
-        group.state = attrs.evolve(group.state, residual=None)
 
 
 def _same_sharding(new: torch.Tensor, ref: Any) -> bool:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import queue
-import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -27,11 +27,9 @@ import torch
 from ..comm import Work
 
 if TYPE_CHECKING:
-    from types import FrameType
-
     from .comm import ProcessGroupComm
 
-__all__ = ["Position", "ScopedComm", "Waiter", "resync", "stack_groups"]
+__all__ = ["Position", "ScopedComm", "Waiter", "introduce", "resync"]
 
 # The kind of a collective (the low bits of its fingerprint) and what the messages call it.
 OPS = {
@@ -149,46 +147,28 @@ def _ordinal(n: int) -> str:
     return f"{n}{suffix}"
 
 
-def stack_groups(base: ProcessGroupComm) -> tuple[dict[int, str], list[ProcessGroupComm]]:
-    """The groups of the FSDP model running on this thread's stack, on ``base``'s process
-    group: each group key's module path, and every communicator they use there (a rank's
-    collectives on one process group may run on several: one per ``fully_shard`` mesh).
-    Empty when no FSDP module is on the stack (the functional API).
+def introduce(named: Sequence[tuple[str, Sequence[Any]]]) -> None:
+    """Name each group's scoped communicators by the group's module path and tell every
+    process-group communicator the others on its process group (a root's lazy init).
 
-    Only on the slow path (a collective that has waited past the grace period): group names
-    are class names (``Block``), which cannot tell ``blocks.0`` from ``blocks.1``.
+    ``named``: per group, its module path (``blocks.0``) and its communicators (custom ones
+    are unwrapped through ``inner``). A collective that waits past the grace period then names
+    modules, not class names that cannot tell ``blocks.0`` from ``blocks.1``, and can look a
+    peer's position up on whichever of this rank's communicators the peer waits on (each
+    ``fully_shard`` mesh has its own, over one process group).
     """
-    import torch.nn as nn
-
-    from .state import FSDPState
-
-    frame: FrameType | None = sys._getframe(1)
-    root: nn.Module | None = None
-    while frame is not None and root is None:
-        for value in list(frame.f_locals.values()):
-            state = value if isinstance(value, FSDPState) else None
-            if state is None and isinstance(value, nn.Module):
-                state = getattr(value, "_ffsdp_state", None)
-            if isinstance(state, FSDPState):
-                root = (state.root or state).module
-                break
-        frame = frame.f_back
-    labels: dict[int, str] = {}
-    comms: list[ProcessGroupComm] = []
-    if root is None:
-        return labels, comms
-    for path, m in root.named_modules():
-        group = getattr(getattr(m, "_ffsdp_state", None), "group", None)
-        if group is None:
-            continue
-        for c in (group.comm, group.replicate_comm, group.sub_comm):
+    bases: list[ProcessGroupComm] = []
+    for label, comms in named:
+        for c in comms:
             while c is not None and not isinstance(c, ScopedComm):
                 c = getattr(c, "inner", None)
-            if c is not None and c.base._pg_prefix == base._pg_prefix:
-                labels.setdefault(c.key, path or f"{group.name} (the root)")
-                if all(c.base is not o for o in comms):
-                    comms.append(c.base)
-    return labels, comms
+            if c is None:
+                continue
+            c.name = label
+            if all(c.base is not b for b in bases):
+                bases.append(c.base)
+    for b in bases:
+        b.meet(bases)
 
 
 class ScopedComm:

@@ -18,7 +18,7 @@ from ..records import MixedPrecisionPolicy
 from . import functional_path
 from .group import ParamGroup, TrainingState
 from .group_common import ReduceChain, traced
-from .schedule import resync
+from .schedule import introduce, resync
 
 __all__ = ["FSDPState", "hooks_for", "register_fsdp_forward_method"]
 
@@ -128,6 +128,14 @@ class FSDPState:
                         )
                     seen[id(p)] = s.name
         self.all_states = states
+        # Collectives that wait past the grace period name their group by module path.
+        paths = {id(m): p for p, m in self.module.named_modules()}
+        named: dict[int, tuple[str, list[Any]]] = {}
+        for s in states:  # a fully_shard([m1, m2]) group is named after its first module
+            if s.group is not None and id(s.group) not in named:
+                label = paths.get(id(s.module)) or f"{s.name} (the root)"
+                named[id(s.group)] = (label, s.group.comms())
+        introduce(list(named.values()))
         chain = ReduceChain()
         for s in states:
             if s.group is not None:
