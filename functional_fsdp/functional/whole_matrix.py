@@ -98,7 +98,7 @@ def _local(t: Any) -> torch.Tensor:
 
 def _wrap(local: torch.Tensor, like: Any) -> Any:
     if isinstance(like, DTensor):
-        return DTensor(local, like._spec, requires_grad=False)  # type: ignore[call-arg]
+        return DTensor(local, like._spec, requires_grad=False)
     return local
 
 

@@ -259,7 +259,7 @@ class Muon(torch.optim.Optimizer):
                     raise RuntimeError("Muon does not support sparse gradients")
                 (matrices if self._is_muon(group, p) else others).append((group, p))  # type: ignore[arg-type]
             if others:
-                self._adamw(group, [p for _, p in others])  # type: ignore[misc]
+                self._adamw(group, [p for _, p in others])
         if matrices:
             self._muon(matrices)
         return loss

@@ -174,7 +174,7 @@ class ParamGroup:
 
     def dtensor(self, local: torch.Tensor, i: int) -> DTensor:
         """Parameter ``i``'s local shard (or sharded gradient) as a ``DTensor`` on the mesh."""
-        return DTensor(local, self._specs[i], requires_grad=False)  # type: ignore[call-arg]
+        return DTensor(local, self._specs[i], requires_grad=False)
 
     def register_sharded(self) -> None:
         """Put the sharded DTensor parameters on every holding module."""
@@ -218,7 +218,7 @@ class ParamGroup:
                     self.dtensor(state.local(i), i), requires_grad=self.requires_grad[i]
                 )
             else:
-                p._local_tensor = state.local(i)  # type: ignore[attr-defined]
+                p._local_tensor = state.local(i)
             new_params.append(p)
         self.params = new_params
         self._grad_accumulator = None

@@ -155,12 +155,12 @@ class FSDPModule(TorchFSDPModule):
         for g in _groups(self, recurse):  # type: ignore[arg-type]
             g.reshard_after_backward = reshard_after_backward
 
-    def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:  # type: ignore[override]
+    def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
         """Explicit forward prefetch: all-gather these modules when this one's forward starts."""
         _check_fsdp_modules(modules)
         self._ffsdp_state.explicit_forward_prefetch = [m._ffsdp_state for m in modules]
 
-    def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:  # type: ignore[override]
+    def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
         """Explicit backward prefetch: all-gather these modules when this one's backward starts."""
         _check_fsdp_modules(modules)
         self._ffsdp_state.explicit_backward_prefetch = [m._ffsdp_state for m in modules]
@@ -180,7 +180,7 @@ class FSDPModule(TorchFSDPModule):
                 f"set_gradient_divide_factor({factor!r}): the factor must be a positive, finite "
                 "number (gradients are divided by it); use the data-parallel size for averaging"
             )
-        for g in _groups(self, True):  # type: ignore[arg-type]
+        for g in _groups(self, True):
             g.divide_factor = factor
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
