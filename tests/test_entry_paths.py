@@ -54,6 +54,16 @@ class Net(nn.Module):
         self.blocks = nn.ModuleList([Block(odd), Block()])
         self.head = nn.Linear(8, 11)
 
+    def generate(self, idx: torch.Tensor, fail: bool = False) -> torch.Tensor:
+        """A forward method other than ``forward`` (registered with
+        ``register_fsdp_forward_method``) that calls the blocks directly."""
+        x = self.emb(idx)
+        if fail:
+            raise RuntimeError("user error in generate")
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
     def forward(self, idx: torch.Tensor, fail: bool = False) -> torch.Tensor:
         x = self.emb(idx)
         for i, b in enumerate(self.blocks):
@@ -309,21 +319,30 @@ def test_fewer_rows_than_ranks_beside_an_empty_parameter_trains(world2: World) -
         _close(got, want, "odd shapes")
 
 
-def _train_on_after_a_failed_forward(which: str) -> dict[str, torch.Tensor]:
-    """Item 7: a forward raises on every rank; training goes on without reset_iter_state()."""
+def _train_on_after_a_failed_forward(
+    which: str, method: str = "forward"
+) -> dict[str, torch.Tensor]:
+    """Item 7: a forward (or a registered forward method) raises on every rank; training goes
+    on without reset_iter_state()."""
     model = _build(which)
+    if which == "ours" and method == "generate":
+        from functional_fsdp import register_fsdp_forward_method
+
+        register_fsdp_forward_method(model, "generate")
     opt = _sgd(model)
     for s in range(3):
         if s == 1 and which != "ref":
             with pytest.raises(RuntimeError, match="user error"):
-                model(_data(which, s), fail=True)
+                run = model if method == "forward" else model.generate
+                run(_data(which, s), fail=True)
         _loss(model(_data(which, s))).backward()
         opt.step()
         opt.zero_grad()
     return _params(model)
 
 
-def test_training_goes_on_after_a_forward_that_raised(world2: World) -> None:
+@pytest.mark.parametrize("method", ["forward", "generate"])
+def test_training_goes_on_after_a_forward_that_raised(world2: World, method: str) -> None:
     want = _train_on_after_a_failed_forward("ref")
-    for got in world2.run(_train_on_after_a_failed_forward, "ours"):
-        _close(got, want, "after a failed forward")
+    for got in world2.run(_train_on_after_a_failed_forward, "ours", method):
+        _close(got, want, f"after a failed {method}")

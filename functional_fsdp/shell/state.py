@@ -394,8 +394,15 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(orig)
     def wrapped(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state.pre_forward(self, args, kwargs)
-        out = orig(self, *args, **kwargs)
+        try:
+            args, kwargs = state.pre_forward(self, args, kwargs)
+            out = orig(self, *args, **kwargs)
+        except BaseException:
+            # As the module's always-called exit hook does for forward: the next forward
+            # resets what this one left half done.
+            if not _in_backward():
+                (state.root or state).interrupted = True
+            raise
         return state.post_forward(self, args, out)
 
     object.__setattr__(module, method_name, types.MethodType(wrapped, module))
