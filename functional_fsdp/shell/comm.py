@@ -269,7 +269,7 @@ class ProcessGroupComm:
         return entry if entry is not None and entry[0] == seq else None
 
     def _position(self, seq: int) -> Position:
-        """This rank's collective ``seq``, named (module paths resolved on first use)."""
+        """This rank's collective ``seq``, named by its group's module path (``introduce``)."""
         entry = self._entry(seq)
         if entry is None:
             return Position(self._rank, self._uid, self._epoch, seq, -1, "collective", "?")
