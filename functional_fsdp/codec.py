@@ -30,7 +30,7 @@ import attrs
 import torch
 
 from . import layout as L
-from .comm import Communicator, DoneWork, Work, check_comm
+from .comm import Communicator, Work, check_comm, collective_or_copy
 from .errors import GatherCodecError
 from .records import GatherInputSpec, GroupLayout, ShardedState, UnshardedState
 
@@ -349,11 +349,9 @@ def begin_codec_unshard(
     inputs, metas = encode_inputs(state, codecs)
     inp = pack_encoded(lay, inputs)
     out = torch.empty(lay.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
-    if lay.world_size == 1:
-        out.copy_(inp)
-        work: Work = DoneWork()
-    else:
-        work = comm.all_gather(out, inp, async_op=async_op)
+    work = collective_or_copy(
+        lay.world_size, out, inp, lambda: comm.all_gather(out, inp, async_op=async_op)
+    )
     return PendingCodecUnshard(lay, state.rank, out, work, metas, state)
 
 

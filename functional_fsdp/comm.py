@@ -33,6 +33,7 @@ __all__ = [
     "ThenWork",
     "Work",
     "check_comm",
+    "collective_or_copy",
     "uses_pieces",
 ]
 
@@ -52,6 +53,17 @@ class DoneWork:
 
     def wait(self) -> None:
         """Nothing to wait for."""
+
+
+def collective_or_copy(
+    world_size: int, out: torch.Tensor, inp: torch.Tensor, collective: Callable[[], Work]
+) -> Work:
+    """Run ``collective`` (which writes ``out`` from ``inp`` across the ranks), or, at world
+    size 1, where there is no peer to talk to, copy ``inp`` into ``out`` (done at once)."""
+    if world_size == 1:
+        out.copy_(inp)
+        return DoneWork()
+    return collective()
 
 
 class ThenWork:

@@ -17,7 +17,14 @@ import optree
 import torch
 
 from . import layout as L
-from .comm import Communicator, DoneWork, PiecesCommunicator, Work, check_comm, uses_pieces
+from .comm import (
+    Communicator,
+    PiecesCommunicator,
+    Work,
+    check_comm,
+    collective_or_copy,
+    uses_pieces,
+)
 from .compression import GradCompression, begin_compressed_reduce
 from .errors import LayoutMismatchError, StateError
 from .records import GroupLayout, ShardedState
@@ -214,11 +221,12 @@ def _reduce_packed(
             alloc=alloc,
         )
     out = alloc(inp.numel() // lay.world_size, inp.dtype, inp.device)
-    if lay.world_size == 1:
-        out.copy_(inp)
-        work: Work = DoneWork()
-    else:
-        work = comm.reduce_scatter(out, inp, op=factors.op, async_op=async_op)
+    work = collective_or_copy(
+        lay.world_size,
+        out,
+        inp,
+        lambda: comm.reduce_scatter(out, inp, op=factors.op, async_op=async_op),
+    )
     return out, work, sharded.residual
 
 

@@ -24,7 +24,14 @@ import optree
 import torch
 
 from . import layout as L
-from .comm import Communicator, DoneWork, PiecesCommunicator, Work, check_comm, uses_pieces
+from .comm import (
+    Communicator,
+    PiecesCommunicator,
+    Work,
+    check_comm,
+    collective_or_copy,
+    uses_pieces,
+)
 from .errors import GatherCodecError, LayoutMismatchError, MeshError, StateError
 from .records import (
     GroupLayout,
@@ -278,11 +285,9 @@ def begin_unshard(
     out = torch.empty(
         lay.world_size * lay.gather.total, dtype=lay.gather_buffer_dtype, device=inp.device
     )
-    if lay.world_size == 1:
-        out.copy_(inp)
-        work: Work = DoneWork()
-    else:
-        work = comm.all_gather(out, inp, async_op=async_op)
+    work = collective_or_copy(
+        lay.world_size, out, inp, lambda: comm.all_gather(out, inp, async_op=async_op)
+    )
     return PendingUnshard(lay, state.rank, out, work, source, into)
 
 
