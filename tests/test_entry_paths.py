@@ -346,3 +346,31 @@ def test_training_goes_on_after_a_forward_that_raised(world2: World, method: str
     want = _train_on_after_a_failed_forward("ref")
     for got in world2.run(_train_on_after_a_failed_forward, "ours", method):
         _close(got, want, f"after a failed {method}")
+
+
+def _train_on_after_a_failed_backward(which: str) -> dict[str, torch.Tensor]:
+    """A backward raises on every rank (a user hook); the user drops the step's gradients
+    with zero_grad() and trains on without reset_iter_state()."""
+    model = _build(which)
+    opt = _sgd(model)
+    for s in range(3):
+        if s == 1 and which != "ref":
+            out = model(_data(which, s))
+
+            def fail(grad: torch.Tensor) -> torch.Tensor:
+                raise RuntimeError("user error in backward")
+
+            out.register_hook(fail)
+            with pytest.raises(RuntimeError, match="user error in backward"):
+                _loss(out).backward()
+            opt.zero_grad()
+        _loss(model(_data(which, s))).backward()
+        opt.step()
+        opt.zero_grad()
+    return _params(model)
+
+
+def test_training_goes_on_after_a_backward_that_raised(world2: World) -> None:
+    want = _train_on_after_a_failed_backward("ref")
+    for got in world2.run(_train_on_after_a_failed_backward, "ours"):
+        _close(got, want, "after a failed backward")

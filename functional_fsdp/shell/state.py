@@ -157,13 +157,13 @@ class FSDPState:
         root = self.root
         assert root is not None
         g = self.group
-        if self.is_root and root.interrupted and not _in_backward():
-            # The previous forward raised (an exception on every rank, or a peer's abort) and
-            # nobody called reset_iter_state(): groups may still be mid-forward with full
-            # tensors registered. Do now what reset_iter_state() does, on every rank alike.
+        if self.is_root and (root.interrupted or root.callback_queued) and not _in_backward():
+            # The previous forward raised, or a backward raised before its final callback ran
+            # (the callback is still queued: reductions in flight, groups mid-backward), and
+            # nobody called reset_iter_state(). Do now what it does, on every rank alike.
             _log.warning(
-                "functional_fsdp: the previous forward of %r raised; resetting its iteration "
-                "state (reset_iter_state()) before this forward",
+                "functional_fsdp: the previous forward or backward of %r raised; resetting its "
+                "iteration state (reset_iter_state()) before this forward",
                 self.name,
             )
             self.reset()
