@@ -24,9 +24,16 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .._tree import STATIC, tree_flatten, tree_unflatten
-from ..errors import HyperparameterError, OptimizerStateError
+from ..errors import OptimizerStateError
 from ..optim._whole_matrix import MatrixLayout, map_whole_matrices, matrix_layout, plan_owners
-from ..optim.muon import DEFAULT_NS_COEFFICIENTS, DEFAULT_NS_STEPS, EPS, adjust_lr, newton_schulz
+from ..optim.muon import (
+    DEFAULT_NS_COEFFICIENTS,
+    DEFAULT_NS_STEPS,
+    EPS,
+    adjust_lr,
+    check_muon_hyperparams,
+    newton_schulz,
+)
 from ._pytrees import register_everywhere
 from .optim import (
     AdamWState,
@@ -303,12 +310,7 @@ def _check_muon_args(
     lr: LearningRate, momentum: float, weight_decay: float, adjust_lr_fn: str | None
 ) -> None:
     _check_lr(lr)
-    if not momentum >= 0.0:
-        raise HyperparameterError(f"momentum should be >= 0 but is: {momentum}")
-    if not weight_decay >= 0.0:
-        raise HyperparameterError(f"weight decay should be >= 0 but is: {weight_decay}")
-    if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
-        raise HyperparameterError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+    check_muon_hyperparams(momentum, weight_decay, adjust_lr_fn)
 
 
 def _muon_init(params: Any, choose: Callable[[torch.Tensor], bool], inner: Optimizer) -> MuonState:

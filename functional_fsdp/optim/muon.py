@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ..errors import WholeMatrixError
+from ..errors import HyperparameterError, WholeMatrixError
 from ._whole_matrix import (
     ExchangeStats,
     MatrixLayout,
@@ -334,6 +334,17 @@ class Muon(torch.optim.Optimizer):
             local.add_(o, alpha=-adjust_lr(lr, group["adjust_lr_fn"], lay.global_shape))
 
 
+def check_muon_hyperparams(momentum: float, weight_decay: float, adjust_lr_fn: str | None) -> None:
+    """The Newton-Schulz step's settings, checked as torch.optim.Muon checks them (for this
+    optimizer and ``functional.muon`` alike); ``HyperparameterError`` is a ``ValueError``."""
+    if not momentum >= 0.0:
+        raise HyperparameterError(f"momentum should be >= 0 but is: {momentum}")
+    if not weight_decay >= 0.0:
+        raise HyperparameterError(f"weight decay should be >= 0 but is: {weight_decay}")
+    if adjust_lr_fn not in _ADJUST_LR_FNS:
+        raise HyperparameterError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+
+
 def _check_hyperparams(
     lr: float,
     momentum: float,
@@ -346,12 +357,7 @@ def _check_hyperparams(
         raise ValueError("functional_fsdp.optim.Muon takes a float lr")
     if not lr >= 0.0:
         raise ValueError(f"Learning rate should be >= 0 but is: {lr}")
-    if not momentum >= 0.0:
-        raise ValueError(f"momentum should be >= 0 but is: {momentum}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight decay should be >= 0 but is: {weight_decay}")
-    if adjust_lr_fn not in _ADJUST_LR_FNS:
-        raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported")
+    check_muon_hyperparams(momentum, weight_decay, adjust_lr_fn)
     if not adamw_lr >= 0.0:
         raise ValueError(f"adamw_lr should be >= 0 but is: {adamw_lr}")
     b1, b2 = adamw_betas
