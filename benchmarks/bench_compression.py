@@ -71,7 +71,7 @@ def _build(variant: str, cfg: GPTConfig) -> torch.nn.Module:
 def _reduce_bytes(model: torch.nn.Module, variant: str) -> int:
     """Reduce-scatter bytes this rank sends per step (FSDP2: the same rows as ours, exact)."""
     from functional_fsdp import FSDPModule
-    from functional_fsdp.compression import wire_bytes
+    from functional_fsdp.core.compression import wire_bytes
 
     if variant == "fsdp2":
         return -1

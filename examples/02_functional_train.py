@@ -68,7 +68,7 @@ def train(steps: int, batch: int, accum: int) -> list[float]:
 
 
 def _local_numel(state: Any) -> int:
-    from functional_fsdp._tree import tree_leaves
+    from functional_fsdp.core._tree import tree_leaves
 
     return sum(getattr(t, "_local_tensor", t).numel() for t in tree_leaves(state))
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from functional_fsdp import run_local
-from functional_fsdp.codec import gather_bytes
+from functional_fsdp.core.codec import gather_bytes
 from functional_fsdp.extensions import Int8RowwiseWeight
 from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch
 

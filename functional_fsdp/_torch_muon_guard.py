@@ -6,7 +6,7 @@ error, but its Newton-Schulz iteration then does not compute the single-process 
 0.0066). Its constructor has no hook, so the check is a global optimizer step pre-hook
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``), installed once when
 ``functional_fsdp`` is imported. It costs one ``isinstance`` per optimizer step of any other
-optimizer, and raises :class:`~functional_fsdp.errors.WholeMatrixError` (before anything is
+optimizer, and raises :class:`~functional_fsdp.core.errors.WholeMatrixError` (before anything is
 modified) only for a ``torch.optim.Muon`` with a ``DTensor`` parameter sharded over a mesh dim
 of more than one rank, pointing to ``functional_fsdp.optim.Muon``.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .errors import WholeMatrixError
+from .core.errors import WholeMatrixError
 
 __all__ = ["check_torch_muon", "install"]
 

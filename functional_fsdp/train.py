@@ -80,7 +80,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     kw: dict[str, Any] = {}
     if args.bf16:
-        from .records import MixedPrecisionPolicy
+        from .core.records import MixedPrecisionPolicy
 
         kw["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32

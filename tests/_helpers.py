@@ -7,7 +7,7 @@ from typing import Any
 import optree
 import torch
 
-from functional_fsdp._tree import tree_leaves
+from functional_fsdp.core._tree import tree_leaves
 
 
 def oracle_local(full: torch.Tensor, world_size: int, rank: int, dim: int = 0) -> torch.Tensor:

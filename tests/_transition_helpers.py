@@ -9,12 +9,12 @@ import torch
 from _helpers import leaves, oracle_local
 from hypothesis import strategies as st
 
-from functional_fsdp.records import ShardedState, UnshardedState
-from functional_fsdp.testing import SimulatedWorld
-from functional_fsdp.transitions import (
+from functional_fsdp.core.records import ShardedState, UnshardedState
+from functional_fsdp.core.transitions import (
     shard,
     unshard,
 )
+from functional_fsdp.testing import SimulatedWorld
 
 FP32 = [torch.float32]
 SEEDS = st.integers(0, 2**16)

@@ -29,7 +29,7 @@ from functional_fsdp import (
     save_checkpoint,
     summon_full_params,
 )
-from functional_fsdp.errors import StateError, UncheckedCheckpointWarning
+from functional_fsdp.core.errors import StateError, UncheckedCheckpointWarning
 from functional_fsdp.testing.models import GPT, Block, GPTConfig, synthetic_batch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -457,7 +457,7 @@ def case_failed_load_changes_nothing(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from functional_fsdp.errors import CheckpointIntegrityError
+    from functional_fsdp.core.errors import CheckpointIntegrityError
 
     model = _sharded(0)
     mesh = model.tok.weight.device_mesh

@@ -13,20 +13,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functional_fsdp import layout as L
-from functional_fsdp.codec import (
+from functional_fsdp.core import layout as L
+from functional_fsdp.core.codec import (
     SubclassCodec,
     begin_codec_unshard,
     codec_unshard,
     gather_bytes,
     with_codec_inputs,
 )
-from functional_fsdp.errors import GatherCodecError
+from functional_fsdp.core.errors import GatherCodecError
+from functional_fsdp.core.records import GatherInputSpec, GroupLayout, ParamSpec
+from functional_fsdp.core.transitions import shard_tensors
 from functional_fsdp.extensions import Int8RowwiseWeight
-from functional_fsdp.records import GatherInputSpec, GroupLayout, ParamSpec
 from functional_fsdp.testing import SimulatedWorld
 from functional_fsdp.testing import strategies as fst
-from functional_fsdp.transitions import shard_tensors
 
 
 class _Mesh:

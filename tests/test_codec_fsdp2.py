@@ -70,7 +70,7 @@ def case_parity(bf16: bool) -> dict:
 
 
 def _bytes(int8: bool) -> int:
-    from functional_fsdp.codec import gather_bytes
+    from functional_fsdp.core.codec import gather_bytes
 
     m = _shard("ours", _model(int8), False)
     return sum(
@@ -106,7 +106,7 @@ def case_bad(mode: str) -> str:
     import torch.distributed as dist
 
     from functional_fsdp import fully_shard
-    from functional_fsdp.errors import FSDPError, GatherCodecError
+    from functional_fsdp.core.errors import FSDPError, GatherCodecError
     from functional_fsdp.extensions import Int8RowwiseWeight
 
     class Bad(Int8RowwiseWeight):
@@ -177,7 +177,7 @@ def case_hook_params_with_other_features() -> dict:
     from torch.func import functional_call
 
     from functional_fsdp import CPUOffloadPolicy, fully_shard, summon_full_params
-    from functional_fsdp.errors import UnsupportedError
+    from functional_fsdp.core.errors import UnsupportedError
 
     out: dict = {}
     ref = _model(False)[0].weight.detach().clone()  # the fp32 values the subclass holds

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import functional_fsdp as F
 from functional_fsdp import errors
-from functional_fsdp.compression import decode_sum, encode_rows, wire_bytes
+from functional_fsdp.core.compression import decode_sum, encode_rows, wire_bytes
 from functional_fsdp.testing import SimulatedWorld
 from functional_fsdp.testing.models import GPT, pattern_batch, synthetic_batch
 

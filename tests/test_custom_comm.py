@@ -253,7 +253,7 @@ def case_share_comm_ctx() -> dict:
     from torch.distributed.fsdp import share_comm_ctx as torch_share
 
     from functional_fsdp import errors
-    from functional_fsdp.shell.module import share_comm_ctx
+    from functional_fsdp.shell.api.module import share_comm_ctx
 
     out = {}
     for which, share in (("torch", torch_share), ("ours", share_comm_ctx)):

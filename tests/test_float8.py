@@ -56,7 +56,7 @@ def _train(impl: str, float8: bool) -> dict[str, Any]:
         "local_types": [type(p.to_local()).__name__ for p in model[0].parameters()],
     }
     if impl == "ours":
-        from functional_fsdp.codec import gather_bytes
+        from functional_fsdp.core.codec import gather_bytes
 
         out["bytes"] = [gather_bytes(m._ffsdp_state.group.layout) for m in (model[0], model[2])]
     return out

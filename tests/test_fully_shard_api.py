@@ -44,7 +44,7 @@ def case_peak_unsharded(recipe: str) -> dict:
             if g.buffer is not None and g.buffer.untyped_storage().nbytes() > 0
         ]
 
-    from functional_fsdp.shell.gather import GatherSlot
+    from functional_fsdp.shell.engine.gather import GatherSlot
 
     slots = {id(g.slot) for g in groups}
     orig = GatherSlot.alloc

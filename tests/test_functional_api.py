@@ -86,7 +86,7 @@ def _case_errors() -> str:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from functional_fsdp import fully_shard
-    from functional_fsdp.errors import DonatedStateError, UnsupportedError
+    from functional_fsdp.core.errors import DonatedStateError, UnsupportedError
     from functional_fsdp.functional import (
         adamw,
         apply_to_module,

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from functional_fsdp._tree import NAMESPACE, tree_leaves
+from functional_fsdp.core._tree import NAMESPACE, tree_leaves
 from functional_fsdp.functional import AdamWState, Optimizer, SGDState, adamw, sgd
 
 SHAPES = [(5, 3), (7,), (0, 4), (2, 3, 2)]

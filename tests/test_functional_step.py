@@ -207,13 +207,13 @@ def test_reshard_after_forward_settings_equal_fully_shard(world: World, raf: boo
 
 
 def _snapshot(state: Any) -> list[torch.Tensor]:
-    from functional_fsdp._tree import tree_leaves
+    from functional_fsdp.core._tree import tree_leaves
 
     return [_full(t).detach().clone() for t in tree_leaves(state)]
 
 
 def _case_step_is_pure(kw: dict[str, Any]) -> bool:
-    from functional_fsdp._tree import tree_leaves
+    from functional_fsdp.core._tree import tree_leaves
     from functional_fsdp.functional import chain, clip_by_global_norm, init, make_train_step
 
     model = _build()
@@ -247,7 +247,7 @@ def test_step_is_pure(world: World, kw: dict[str, Any]) -> None:
 
 
 def _case_donate() -> dict[str, Any]:
-    from functional_fsdp._tree import tree_leaves
+    from functional_fsdp.core._tree import tree_leaves
     from functional_fsdp.functional import init, make_train_step
 
     model = _build()
@@ -273,8 +273,8 @@ def test_donation_reuses_buffers_and_gives_the_same_numbers(world: World) -> Non
 
 
 def _case_peak_unsharded_bytes() -> dict[str, int]:
-    from functional_fsdp.shell import functional_path as fp
-    from functional_fsdp.shell.group import ParamGroup
+    from functional_fsdp.shell.engine import functional_path as fp
+    from functional_fsdp.shell.engine.group import ParamGroup
 
     def groups(model: nn.Module) -> list[ParamGroup]:
         return [
@@ -386,7 +386,7 @@ def test_apply_to_module_writes_back_into_the_shards(world: World) -> None:
 def _case_checkpoint(path: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    from functional_fsdp._tree import tree_leaves
+    from functional_fsdp.core._tree import tree_leaves
     from functional_fsdp.functional import from_state_dict, init, make_train_step, to_state_dict
 
     model = _build()

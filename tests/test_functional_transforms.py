@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.utils._pytree as torch_pytree
 
-from functional_fsdp._tree import NAMESPACE, tree_leaves
+from functional_fsdp.core._tree import NAMESPACE, tree_leaves
 from functional_fsdp.functional import (
     AdamWState,
     GradientTransformation,

@@ -1,7 +1,7 @@
 """The core transitions over real gloo process groups agree with the simulated world.
 
 One 2-rank and one 4-rank world are spawned for the module. Each case runs the same per-rank
-function twice: in the workers with :class:`~functional_fsdp.shell.comm.ProcessGroupComm`
+function twice: in the workers with :class:`~functional_fsdp.shell.comm.process_group.ProcessGroupComm`
 (default strategy and ``"native"``), and in this process with a
 :class:`~functional_fsdp.testing.SimulatedWorld`. Gathers must agree bit for bit, float32
 reductions within ``1e-6``, low-precision ones within one ulp (see ``_tol``).
@@ -16,9 +16,8 @@ import pytest
 import torch
 from _dist import World
 
-from functional_fsdp.comm import Communicator
-from functional_fsdp.testing import SimulatedWorld
-from functional_fsdp.transitions import (
+from functional_fsdp.core.comm import Communicator
+from functional_fsdp.core.transitions import (
     begin_unshard,
     post_forward_from_gather,
     reduce_grad,
@@ -26,6 +25,7 @@ from functional_fsdp.transitions import (
     shard,
     unshard,
 )
+from functional_fsdp.testing import SimulatedWorld
 
 pytestmark = pytest.mark.multiprocess
 
@@ -157,7 +157,7 @@ def _group(ranks: tuple[int, ...]) -> Any:
 
 
 def _pg_comm(strategy: str, ranks: tuple[int, ...] | None = None) -> Communicator:
-    from functional_fsdp.shell.comm import ProcessGroupComm
+    from functional_fsdp.shell.comm.process_group import ProcessGroupComm
 
     return ProcessGroupComm(_group(ranks) if ranks is not None else None, strategy=strategy)
 

@@ -1,4 +1,4 @@
-"""functional_fsdp.layout: chunk extents, padding, shard-dim checks, divide factors, packing."""
+"""functional_fsdp.core.layout: chunk extents, padding, shard-dim checks, divide factors, packing."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import shapes, world_sizes
 
-from functional_fsdp import layout as L
-from functional_fsdp.errors import IndivisibleError, ScalarParameterError
+from functional_fsdp.core import layout as L
+from functional_fsdp.core.errors import IndivisibleError, ScalarParameterError
 
 # ---------------------------------------------------------------------------- chunk extents
 
@@ -271,7 +271,7 @@ def test_uniform_pack_is_back_to_back(numels: list[int]) -> None:
 @given(numels=st.lists(st.integers(0, 20), min_size=1, max_size=6), data=st.data())
 def test_mixed_pack_round_trips_through_bytes(numels: list[int], data: st.DataObject) -> None:
     """Each region of a byte buffer can be viewed back as its own dtype without corruption."""
-    from functional_fsdp.records import region
+    from functional_fsdp.core.records import region
 
     dtypes = [data.draw(st.sampled_from(_DTYPES)) for _ in numels]
     pack = L.PackLayout.build(numels, [d.itemsize for d in dtypes], uniform=False)

@@ -1,4 +1,4 @@
-"""functional_fsdp.records: invariants at construction, hashable layouts, policies, pytrees."""
+"""functional_fsdp.core.records: invariants at construction, hashable layouts, policies, pytrees."""
 
 from __future__ import annotations
 
@@ -11,15 +11,21 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import param_trees, world_sizes
 
-from functional_fsdp import layout as L
-from functional_fsdp._tree import NAMESPACE, tree_flatten, tree_leaves, tree_map, tree_unflatten
-from functional_fsdp.errors import (
+from functional_fsdp.core import layout as L
+from functional_fsdp.core._tree import (
+    NAMESPACE,
+    tree_flatten,
+    tree_leaves,
+    tree_map,
+    tree_unflatten,
+)
+from functional_fsdp.core.errors import (
     IndivisibleError,
     LayoutMismatchError,
     PolicyError,
     ScalarParameterError,
 )
-from functional_fsdp.records import (
+from functional_fsdp.core.records import (
     CPUOffloadPolicy,
     GroupLayout,
     MixedPrecisionPolicy,
@@ -29,8 +35,8 @@ from functional_fsdp.records import (
     ShardedState,
     UnshardedState,
 )
+from functional_fsdp.core.transitions import reshard, shard, unshard
 from functional_fsdp.testing import SimulatedWorld
-from functional_fsdp.transitions import reshard, shard, unshard
 
 
 def _specs() -> list[ParamSpec]:

@@ -24,7 +24,7 @@ from _dist import World
 
 import functional_fsdp
 from functional_fsdp import MixedPrecisionPolicy, fully_shard, shard
-from functional_fsdp.errors import (
+from functional_fsdp.core.errors import (
     CheckpointIntegrityError,
     CheckpointPathError,
     FSDPError,
@@ -32,7 +32,7 @@ from functional_fsdp.errors import (
     PolicyError,
     UncheckedCheckpointWarning,
 )
-from functional_fsdp.records import GroupLayout, ParamSpec
+from functional_fsdp.core.records import GroupLayout, ParamSpec
 from functional_fsdp.testing.models import GPT, GPTConfig
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -240,7 +240,7 @@ def test_metadata_with_code_is_refused_by_load_checkpoint(world2: World, saved, 
 
 
 def test_resolve_inside_unit(tmp_path) -> None:
-    from functional_fsdp.shell.checkpoint_io import resolve_inside
+    from functional_fsdp.shell.io.checkpoint_files import resolve_inside
 
     (tmp_path / "a.distcp").write_bytes(b"x")
     assert resolve_inside(tmp_path, "a.distcp", what="t") == (tmp_path / "a.distcp").resolve()
@@ -291,7 +291,7 @@ def test_checksums_round_trip_and_interoperate_with_plain_dcp(world2: World, sav
 def test_sidecar_lists_every_item(saved) -> None:
     import json
 
-    from functional_fsdp.shell.checkpoint_io import CHECKSUM_FILE
+    from functional_fsdp.shell.io.checkpoint_files import CHECKSUM_FILE
 
     doc = json.loads(pathlib.Path(saved["ours"], CHECKSUM_FILE).read_text())
     md = _metadata(saved["ours"])
@@ -303,7 +303,7 @@ def test_sidecar_lists_every_item(saved) -> None:
 def test_checksum_sidecar_is_path_checked_and_bound_to_its_save(world2: World, saved, tmp_path):
     import json
 
-    from functional_fsdp.shell.checkpoint_io import CHECKSUM_FILE
+    from functional_fsdp.shell.io.checkpoint_files import CHECKSUM_FILE
 
     # A sidecar that is a symlink out of the directory is refused like a storage path.
     path = _copy(saved["ours"], tmp_path / "linked")
@@ -338,7 +338,7 @@ def test_checkpoint_error_types_and_pickling() -> None:
 
 def case_train_state_round_trip(path: str) -> bool:
     """The functional API's state goes through save_checkpoint / load_checkpoint verified."""
-    from functional_fsdp._tree import tree_leaves
+    from functional_fsdp.core._tree import tree_leaves
     from functional_fsdp.functional import adamw, from_state_dict, init, to_state_dict
 
     opt = adamw(1e-2)

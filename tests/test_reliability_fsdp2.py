@@ -14,7 +14,7 @@ from _dist import World
 
 import functional_fsdp
 from functional_fsdp import fully_shard
-from functional_fsdp.errors import FSDPError
+from functional_fsdp.core.errors import FSDPError
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -301,7 +301,7 @@ def test_messages_match_fsdp2_regexes(world2: World) -> None:
 def case_fully_shard_twice_changes_nothing() -> dict:
     """A second ``fully_shard`` on a module raises at the call (as FSDP2) and leaves the
     module as it was: it still trains like the reference."""
-    from functional_fsdp.errors import AlreadyShardedError
+    from functional_fsdp.core.errors import AlreadyShardedError
 
     torch.manual_seed(0)
     ref = nn.Sequential(_lin(), nn.ReLU(), _lin())

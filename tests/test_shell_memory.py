@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from functional_fsdp.shell.memory import huge_page_advisor
+from functional_fsdp.shell.engine.memory import huge_page_advisor
 
 _HUGE = 1 << 21
 _PAGE = mmap.PAGESIZE

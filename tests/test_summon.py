@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from functional_fsdp import MixedPrecisionPolicy, fully_shard, summon_full_params
-from functional_fsdp.errors import PolicyError, StateError
-from functional_fsdp.shell.group import TrainingState
+from functional_fsdp.core.errors import PolicyError, StateError
+from functional_fsdp.shell.engine.group import TrainingState
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

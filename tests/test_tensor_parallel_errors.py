@@ -115,7 +115,7 @@ EXPECTED = {
 
 
 def test_bad_2d_input_raises_named_errors_before_any_collective(world4):
-    import functional_fsdp.errors as E
+    import functional_fsdp.core.errors as E
 
     res = world4.run(case_errors)
     for r in res:

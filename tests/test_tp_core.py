@@ -1,4 +1,4 @@
-"""The pure 2-D core (functional_fsdp.tp) in the simulated world, with hypothesis.
+"""The pure 2-D core (functional_fsdp.core.tensor_parallel) in the simulated world, with hypothesis.
 
 For drawn TP placements, TP mesh shapes and dp sizes (uneven chunks included): sharding a
 TP-local tensor over dp and gathering it back is bit-exact; the TP-local blocks gathered over
@@ -14,13 +14,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from functional_fsdp import tp as TP
-from functional_fsdp.errors import LayoutMismatchError, UnsupportedPlacementError
-from functional_fsdp.layout import shard_extent
-from functional_fsdp.records import GroupLayout
-from functional_fsdp.reduction import reduce_grad
+from functional_fsdp.core import tensor_parallel as TP
+from functional_fsdp.core.errors import LayoutMismatchError, UnsupportedPlacementError
+from functional_fsdp.core.layout import shard_extent
+from functional_fsdp.core.records import GroupLayout
+from functional_fsdp.core.reduction import reduce_grad
+from functional_fsdp.core.transitions import shard_tensors, unshard
 from functional_fsdp.testing import SimulatedWorld
-from functional_fsdp.transitions import shard_tensors, unshard
 
 
 @st.composite

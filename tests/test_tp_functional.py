@@ -49,7 +49,7 @@ def case_func_grads_equal_backward() -> dict:
     """functional_call + torch.autograd.grad (substituted leaves, and the module's own
     parameters) equal .backward(); torch.func.grad / vjp raise UnsupportedError on every rank
     before any collective, and the module trains on afterwards."""
-    from functional_fsdp.errors import UnsupportedError
+    from functional_fsdp.core.errors import UnsupportedError
 
     mesh = world_mesh()
     model = build("ours", mesh)

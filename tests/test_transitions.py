@@ -1,4 +1,4 @@
-"""functional_fsdp.transitions over a simulated world: properties, a state machine, conformance.
+"""functional_fsdp.core.transitions over a simulated world: properties, a state machine, conformance.
 
 Oracles never use the library: shards are ``torch.chunk`` slices (``distribute_tensor``'s
 semantics), reduced gradients are dense means of every rank's full gradient, sliced the same way.
@@ -24,14 +24,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import float_dtypes, mesh_shapes, param_trees, world_sizes
 
-from functional_fsdp import layout as L
-from functional_fsdp.compression import GradCompression
-from functional_fsdp.errors import (
+from functional_fsdp.core import layout as L
+from functional_fsdp.core.compression import GradCompression
+from functional_fsdp.core.errors import (
     LayoutMismatchError,
 )
-from functional_fsdp.records import PostForwardState, ShardedState
-from functional_fsdp.testing import SimulatedWorld
-from functional_fsdp.transitions import (
+from functional_fsdp.core.records import PostForwardState, ShardedState
+from functional_fsdp.core.transitions import (
     begin_unshard,
     post_forward_from_gather,
     reduce_grad,
@@ -40,6 +39,7 @@ from functional_fsdp.transitions import (
     unshard,
     writeback,
 )
+from functional_fsdp.testing import SimulatedWorld
 
 FP32 = [torch.float32]
 SEEDS = st.integers(0, 2**16)

@@ -22,17 +22,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from strategies import param_trees, world_sizes
 
-from functional_fsdp._tree import tree_leaves
-from functional_fsdp.errors import (
+from functional_fsdp.core._tree import tree_leaves
+from functional_fsdp.core.errors import (
     IndivisibleError,
     LayoutMismatchError,
     MeshError,
     ScalarParameterError,
     StateError,
 )
-from functional_fsdp.records import PostForwardState, ShardedState, UnshardedState
-from functional_fsdp.testing import SimulatedWorld
-from functional_fsdp.transitions import (
+from functional_fsdp.core.records import PostForwardState, ShardedState, UnshardedState
+from functional_fsdp.core.transitions import (
     begin_unshard,
     finish_unshard,
     reduce_grad,
@@ -41,6 +40,7 @@ from functional_fsdp.transitions import (
     unshard,
     writeback,
 )
+from functional_fsdp.testing import SimulatedWorld
 
 FP32 = [torch.float32]
 SEEDS = st.integers(0, 2**16)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import functional_fsdp.testing._world as world_mod
-from functional_fsdp.comm import Communicator
+from functional_fsdp.core.comm import Communicator
 from functional_fsdp.testing import SimulatedWorld
 
 

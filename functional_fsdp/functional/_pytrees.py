@@ -3,7 +3,7 @@
 Each record (``TrainState``, the optimizer states) is registered
 
 - in optree's **global** namespace, so ``optree.tree_map(fn, state)`` works without a
-  namespace, and ``optree.tree_map(fn, state, namespace=functional_fsdp._tree.NAMESPACE)``
+  namespace, and ``optree.tree_map(fn, state, namespace=functional_fsdp.core._tree.NAMESPACE)``
   too (optree falls back to the global registration in every namespace);
 - in ``torch.utils._pytree``, so ``torch.utils._pytree.tree_map`` and torch's own utilities
   (``torch.func``, ``torch.distributed.checkpoint`` helpers) see their tensors.

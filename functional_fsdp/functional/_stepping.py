@@ -12,7 +12,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointError
 
-from ..errors import StepInputError, UnsupportedError
+from ..core.errors import StepInputError, UnsupportedError
 from ..shell import DeferredReductions
 
 __all__ = ["Accumulated", "accumulate_grads"]

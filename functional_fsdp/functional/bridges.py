@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .._tree import NAMESPACE
-from ..errors import ArgumentTypeError, OptimizerStateError
+from ..core._tree import NAMESPACE
+from ..core.errors import ArgumentTypeError, OptimizerStateError
 from ..shell import summon_full_params
 from .optim import AdamWState, Optimizer, SGDState
 from .step import (

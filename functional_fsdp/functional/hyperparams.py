@@ -29,7 +29,7 @@ import attrs
 import optree
 import torch
 
-from ..errors import OptimizerStateError
+from ..core.errors import OptimizerStateError
 from ._pytrees import register_everywhere
 from .optim import Optimizer
 from .transforms import GradientTransformation, check_functional_optimizer

@@ -3,8 +3,8 @@
 A sharded gradient's 2-norm is ``sqrt(sum over ranks of the local sums of squares)``: each rank
 squares its shard locally and one all-reduce over the shard group adds them up (what
 ``torch.nn.utils.clip_grad_norm_`` computes on ``DTensor`` gradients). The all-reduce goes
-through a :class:`~functional_fsdp.comm.Communicator`: one built from the ``DTensor`` 's mesh
-(:class:`~functional_fsdp.shell.comm.ProcessGroupComm` over the shard dim's process group), or
+through a :class:`~functional_fsdp.core.comm.Communicator`: one built from the ``DTensor`` 's mesh
+(:class:`~functional_fsdp.shell.comm.process_group.ProcessGroupComm` over the shard dim's process group), or
 one the caller passes (e.g. a simulated world's). A ``DTensor`` sharded over several mesh dims
 (2-D FSDP + TP: ``(_StridedShard(0), Shard(0))`` on ``(dp, tp)``) is summed over each in turn, so
 the norm covers the full mesh.
@@ -19,9 +19,9 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from .._tree import tree_leaves
-from ..comm import Communicator
-from ..errors import StepInputError
+from ..core._tree import tree_leaves
+from ..core.comm import Communicator
+from ..core.errors import StepInputError
 
 __all__ = ["global_norm"]
 

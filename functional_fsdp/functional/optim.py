@@ -13,7 +13,7 @@ donated inputs afterwards (like JAX's ``donate_argnums``).
 
 Leaves may be plain tensors or ``DTensor`` s (the foreach kernels run on both; the functional
 training step passes the local shards for speed). Trees are any pytree in
-:data:`functional_fsdp._tree.NAMESPACE` (dicts of tensors, records).
+:data:`functional_fsdp.core._tree.NAMESPACE` (dicts of tensors, records).
 
 Example:
     >>> import torch
@@ -35,8 +35,8 @@ import attrs
 import optree
 import torch
 
-from .._tree import tree_flatten, tree_unflatten
-from ..errors import HyperparameterError, OptimizerStateError
+from ..core._tree import tree_flatten, tree_unflatten
+from ..core.errors import HyperparameterError, OptimizerStateError
 from ._pytrees import register_everywhere
 
 __all__ = [

@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from ..errors import HyperparameterError
+from ..core.errors import HyperparameterError
 
 __all__ = [
     "Schedule",

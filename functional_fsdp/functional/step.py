@@ -36,8 +36,13 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.tensor import DTensor
 
-from .._tree import NAMESPACE, tree_map
-from ..errors import ArgumentTypeError, DonatedStateError, HyperparameterError, OptimizerStateError
+from ..core._tree import NAMESPACE, tree_map
+from ..core.errors import (
+    ArgumentTypeError,
+    DonatedStateError,
+    HyperparameterError,
+    OptimizerStateError,
+)
 from ..shell import FSDPModule
 from ._pytrees import register_everywhere
 from ._stepping import Accumulated, accumulate_grads
@@ -95,7 +100,7 @@ class TrainState:
 
 
 def check_not_donated(state: TrainState, where: str) -> None:
-    """Raise :class:`~functional_fsdp.errors.DonatedStateError` if ``state`` was donated.
+    """Raise :class:`~functional_fsdp.core.errors.DonatedStateError` if ``state`` was donated.
 
     Args:
         state: the state about to be used.
@@ -238,7 +243,7 @@ def _check_activation_checkpointing(model: nn.Module) -> None:
     registry = importlib.import_module("torch.distributed._composable.contract")._get_registry
     for name, m in model.named_modules():
         if isinstance(m, CheckpointWrapper) or "checkpoint" in (registry(m) or {}):
-            from ..errors import UnsupportedError
+            from ..core.errors import UnsupportedError
 
             raise UnsupportedError(
                 f"make_train_step: {name or 'the model'} ({type(m).__name__}) uses activation "
@@ -352,7 +357,7 @@ def make_train_step(
             optimizer)`` (warns).
         donate: like JAX's ``donate_argnums``: the step updates the input state's parameters
             and moments in place, saving one copy of them per step. The input state is consumed:
-            using it again raises :class:`~functional_fsdp.errors.DonatedStateError`.
+            using it again raises :class:`~functional_fsdp.core.errors.DonatedStateError`.
 
     Returns:
         The step function. ``metrics``: ``"loss"`` (the mean loss over the micro-batches and

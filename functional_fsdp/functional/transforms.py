@@ -27,8 +27,8 @@ from typing import Any, NamedTuple, Protocol
 import attrs
 import torch
 
-from .._tree import tree_flatten, tree_unflatten
-from ..errors import ArgumentTypeError, HyperparameterError, OptimizerStateError
+from ..core._tree import tree_flatten, tree_unflatten
+from ..core.errors import ArgumentTypeError, HyperparameterError, OptimizerStateError
 from ._pytrees import register_everywhere
 from .norms import global_norm
 from .optim import LearningRate, Optimizer, _zeros, structure_mismatch

@@ -23,8 +23,8 @@ import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
-from .._tree import STATIC, tree_flatten, tree_unflatten
-from ..errors import OptimizerStateError
+from ..core._tree import STATIC, tree_flatten, tree_unflatten
+from ..core.errors import OptimizerStateError
 from ..optim._whole_matrix import MatrixLayout, map_whole_matrices, matrix_layout, plan_owners
 from ..optim.muon import (
     DEFAULT_NS_COEFFICIENTS,
@@ -133,7 +133,7 @@ def whole_matrix(
             matrix and may overwrite its argument. The result is cast to the leaf's dtype.
         is_matrix: which leaves to treat as matrices (``leaf -> bool``, called on the
             parameters at ``init``); default: every 2-D leaf. A chosen leaf that is not 2-D
-            raises :class:`~functional_fsdp.errors.WholeMatrixError`.
+            raises :class:`~functional_fsdp.core.errors.WholeMatrixError`.
 
     Returns:
         A :class:`~.transforms.GradientTransformation` with state :class:`WholeMatrixState`.
@@ -211,7 +211,7 @@ def muon(
         adamw_weight_decay: AdamW's decoupled weight decay.
         use_muon: which leaves get Muon (``leaf -> bool`` on the parameters at ``init``;
             default: the 2-D leaves; a chosen leaf that is not 2-D raises
-            :class:`~functional_fsdp.errors.WholeMatrixError`). Keep embeddings and output heads
+            :class:`~functional_fsdp.core.errors.WholeMatrixError`). Keep embeddings and output heads
             on AdamW as the usual recipe does: ``lambda p: p.ndim == 2 and p.shape[0] != V``.
 
     Returns:

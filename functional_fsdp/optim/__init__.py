@@ -3,7 +3,7 @@
 :class:`Muon` is ``torch.optim.Muon`` for parameters sharded with ``fully_shard``: each 2-D
 matrix is orthogonalized whole by one owner rank (gathered, Newton-Schulz, rows scattered back),
 the other parameters are stepped with AdamW. ``torch.optim.Muon`` itself, stepped on sharded
-``DTensor`` parameters, raises :class:`~functional_fsdp.errors.WholeMatrixError` once
+``DTensor`` parameters, raises :class:`~functional_fsdp.core.errors.WholeMatrixError` once
 ``functional_fsdp`` is imported (see :mod:`functional_fsdp._torch_muon_guard`). The functional
 counterparts are :func:`functional_fsdp.functional.muon` and
 :func:`functional_fsdp.functional.whole_matrix`. See ``docs/muon.md``.

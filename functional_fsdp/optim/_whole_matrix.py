@@ -11,7 +11,7 @@ The plan (pure, integers only):
 
 - :func:`assign_owners`: each matrix of a shard group gets one owner rank, round-robin over the
   matrices sorted by size (largest first), so every rank computes about ``1/n`` of the work.
-- the rows each rank holds are :func:`functional_fsdp.layout.shard_extent` 's.
+- the rows each rank holds are :func:`functional_fsdp.core.layout.shard_extent` 's.
 
 The exchange (:func:`map_whole_matrices`, point-to-point on the shard group's process group):
 
@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..errors import WholeMatrixError
-from ..layout import shard_extents
+from ..core.errors import WholeMatrixError
+from ..core.layout import shard_extents
 
 __all__ = [
     "ExchangeStats",

@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.optim.adamw import adamw as _torch_adamw
 
-from ..errors import HyperparameterError, WholeMatrixError
+from ..core.errors import HyperparameterError, WholeMatrixError
 from ._whole_matrix import (
     ExchangeStats,
     MatrixLayout,
@@ -129,7 +129,7 @@ class Muon(torch.optim.Optimizer):
     Param groups may set ``use_muon``: ``None`` (default) routes 2-D parameters to Muon and the
     rest (biases, norms) to AdamW; ``False`` sends the group to AdamW (embeddings and output
     heads, as in Keller Jordan's recipe); ``True`` insists on Muon, and a parameter that is not
-    2-D raises :class:`~functional_fsdp.errors.WholeMatrixError`. AdamW uses the ``adamw_*``
+    2-D raises :class:`~functional_fsdp.core.errors.WholeMatrixError`. AdamW uses the ``adamw_*``
     hyper-parameters (``torch.optim.AdamW`` 's defaults) and is ``torch.optim.AdamW`` 's own
     functional kernel on the local shards; its state has AdamW's keys (``step``, ``exp_avg``,
     ``exp_avg_sq``), Muon's has ``momentum_buffer``, as ``DTensor`` s like the parameters, so

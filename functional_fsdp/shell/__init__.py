@@ -1,49 +1,52 @@
 """The imperative shell: the only code that touches torch.distributed, hooks and autograd.
 
+Its rooms (see ``docs/design.md``):
+
+- ``engine/``: the runtime of one parameter group (its gathers, reductions, autograd Functions
+  and the functional path's per-call gathers);
+- ``api/``: ``fully_shard``, ``FSDPModule``, the per-module hook state and root logic;
+- ``io/``: state dicts and checkpoints, ``summon_full_params``, reloading parameters;
+- ``comm/``: communicators over real process groups and FSDP2's custom-collective hooks;
+- ``parallel/``: tensor-parallel ``DTensor`` parameters under ``fully_shard`` (2-D);
+- ``launch.py``: running a function on N local CPU ranks.
+
 Everything other layers (``functional_fsdp.functional``, the top level) use from the shell is
-exported here; they import this package, never its modules.
+exported here, in the one table below; they import this package, never its modules.
 """
 
-from typing import TYPE_CHECKING, Any
+from __future__ import annotations
 
-from .api import FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method
-from .comm import ProcessGroupComm
-from .functional_path import DeferredReductions
-from .module import share_comm_ctx
-from .summon import summon_full_params
+import importlib
+from typing import Any
 
-if TYPE_CHECKING:
-    from .checkpoint import (
-        ChecksummingFileSystemWriter,
-        SafeFileSystemReader,
-        SafeLoadPlanner,
-        load_checkpoint,
-        save_checkpoint,
-    )
+# Exported name -> the module that defines it. Loaded on first use: the checkpoint names load
+# torch.distributed.checkpoint (about 6 MiB of RSS per rank), which a run that never
+# checkpoints should not pay for.
+_EXPORTS: dict[str, str] = {
+    "fully_shard": ".api.fully_shard",
+    "register_fsdp_forward_method": ".api.state",
+    "FSDPModule": ".api.module",
+    "UnshardHandle": ".api.module",
+    "share_comm_ctx": ".api.module",
+    "DeferredReductions": ".engine.functional_path",
+    "ProcessGroupComm": ".comm.process_group",
+    "summon_full_params": ".io.summon",
+    "save_checkpoint": ".io.checkpoint",
+    "load_checkpoint": ".io.checkpoint",
+    "ChecksummingFileSystemWriter": ".io.checkpoint_files",
+    "SafeFileSystemReader": ".io.checkpoint_files",
+    "SafeLoadPlanner": ".io.checkpoint_files",
+}
+__all__ = sorted(_EXPORTS)
 
 
-# The checkpoint names (in __all__, not imported above) load torch.distributed.checkpoint (about
-# 6 MiB of RSS per rank): only on first use, so a run that never checkpoints does not pay.
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import checkpoint
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
 
-        return getattr(checkpoint, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-__all__ = [
-    "ChecksummingFileSystemWriter",
-    "DeferredReductions",
-    "FSDPModule",
-    "ProcessGroupComm",
-    "SafeFileSystemReader",
-    "SafeLoadPlanner",
-    "UnshardHandle",
-    "fully_shard",
-    "load_checkpoint",
-    "register_fsdp_forward_method",
-    "save_checkpoint",
-    "share_comm_ctx",
-    "summon_full_params",
-]
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -2,7 +2,7 @@
 
 - :class:`SimulatedWorld` runs ``world_size`` ranks as threads of one process; its
   communicators (:class:`SimulatedComm`, one per rank of a :class:`SimulatedGroup`) implement
-  :class:`~functional_fsdp.comm.Communicator` exactly, with HSDP meshes and sub-groups.
+  :class:`~functional_fsdp.core.comm.Communicator` exactly, with HSDP meshes and sub-groups.
 - :mod:`functional_fsdp.testing.strategies` holds hypothesis strategies (keyword-only
   arguments): ``world_sizes``, ``shapes`` (0-size dims, dim 0 smaller than the world),
   ``float_dtypes``, ``tensors`` (deterministic values from a drawn seed), ``param_trees`` (dicts,

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..comm import DoneWork, Work
+from ..core.comm import DoneWork, Work
 
 __all__ = ["SimulatedComm", "SimulatedGroup", "SimulatedWorld"]
 
@@ -44,7 +44,7 @@ class SimulatedGroup:
 
 
 class SimulatedComm:
-    """A :class:`~functional_fsdp.comm.Communicator` for one rank of a :class:`SimulatedGroup`.
+    """A :class:`~functional_fsdp.core.comm.Communicator` for one rank of a :class:`SimulatedGroup`.
 
     Collectives are computed exactly (reductions add in rank order) and complete immediately;
     ``async_op=True`` returns a completed work handle.

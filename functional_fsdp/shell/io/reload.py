@@ -17,8 +17,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..errors import LayoutMismatchError
-from .group import ParamGroup, TrainingState
+from ...core.errors import LayoutMismatchError
+from ..engine.group import ParamGroup, TrainingState
 
 __all__ = ["readopt_after_load"]
 

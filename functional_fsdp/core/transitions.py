@@ -1,6 +1,6 @@
 """The five pure transitions: ``shard``, ``unshard``, ``reshard``, ``writeback``, ``reduce_grad``.
 
-Each takes records (and, for collectives, an injected :class:`~functional_fsdp.comm.Communicator`)
+Each takes records (and, for collectives, an injected :class:`~functional_fsdp.core.comm.Communicator`)
 and returns new records; inputs are never mutated. The lower-level steps (``pack_for_gather``,
 ``begin_unshard``/``finish_unshard``, ``pack_grads``/``finish_reduce``) are public too, so a
 custom trainer (or the shell) can overlap communication with compute.

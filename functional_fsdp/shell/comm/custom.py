@@ -9,7 +9,7 @@
   (:meth:`FSDPModule.set_all_reduce_hook`) exactly where FSDP2 calls it.
 
 The core stays untouched: both are shell-side wrappers of what the core receives (a
-communicator) or returns (a :class:`~functional_fsdp.reduction.PendingReduce` handle).
+communicator) or returns (a :class:`~functional_fsdp.core.reduction.PendingReduce` handle).
 
 How FSDP2 calls the user's objects, and what we do:
 
@@ -31,9 +31,9 @@ How FSDP2 calls the user's objects, and what we do:
 
 Misbehaving objects end in named errors (before anything is written to the group): an
 ``allocate`` that returns a wrong size, dtype or device, or a collective or hook that resizes
-its buffer, raises :class:`~functional_fsdp.errors.LayoutMismatchError`; a collective or hook
-that raises is re-raised as :class:`~functional_fsdp.errors.CollectiveError`. Either way the
-peers are told at once (they raise :class:`~functional_fsdp.errors.PeerAbortedError` instead of
+its buffer, raises :class:`~functional_fsdp.core.errors.LayoutMismatchError`; a collective or hook
+that raises is re-raised as :class:`~functional_fsdp.core.errors.CollectiveError`. Either way the
+peers are told at once (they raise :class:`~functional_fsdp.core.errors.PeerAbortedError` instead of
 waiting), and ``reset_iter_state()`` on every rank recovers.
 """
 
@@ -46,11 +46,11 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ..comm import Communicator, DoneWork, ThenWork, Work
-from ..errors import CollectiveError, LayoutMismatchError, PolicyError
-from ..reduction import PendingReduce
-from .comm import ProcessGroupComm
-from .schedule import ScopedComm
+from ...core.comm import Communicator, DoneWork, ThenWork, Work
+from ...core.errors import CollectiveError, LayoutMismatchError, PolicyError
+from ...core.reduction import PendingReduce
+from .process_group import ProcessGroupComm
+from .scoped import ScopedComm
 
 __all__ = ["CustomCollectiveComm", "check_custom_comm", "unwrap", "with_all_reduce_hook"]
 

@@ -12,24 +12,25 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
-from ..codec import has_hooks
-from ..errors import AlreadyShardedError, MeshError, PolicyError, TiedParameterError
-from ..layout import check_sub_group_size
-from ..records import MixedPrecisionPolicy, OffloadPolicy, ParamSpec
-from ..transitions import shard_tensors
-from .autograd import explain_forward_ad_on_dtensor
-from .codec_slot import adopt_codecs, plain_data
-from .comm import ProcessGroupComm
-from .group import ParamGroup, TrainingState, layout_for
-from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
-from .reload import readopt_after_load
-from .state import FSDPState, hooks_for
-from .tensor_parallel import (
+from ...core.codec import has_hooks
+from ...core.errors import AlreadyShardedError, MeshError, PolicyError, TiedParameterError
+from ...core.layout import check_sub_group_size
+from ...core.records import MixedPrecisionPolicy, OffloadPolicy, ParamSpec
+from ...core.transitions import shard_tensors
+from ..comm.process_group import ProcessGroupComm
+from ..comm.scoped import scoped
+from ..engine.autograd import explain_forward_ad_on_dtensor
+from ..engine.codec_slot import adopt_codecs, plain_data
+from ..engine.group import ParamGroup, TrainingState, layout_for
+from ..io.reload import readopt_after_load
+from ..parallel.tensor_parallel import (
     TensorParallelPlan,
     plan_tensor_parallel,
     resolve_dp_mesh_dims,
     tp_spec,
 )
+from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
+from .state import FSDPState, hooks_for
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -282,7 +283,7 @@ def _build_group(
     if not any(t.is_meta for t in src):
         src = [t if t.device == device else t.to(device) for t in src]
     state = shard_tensors(src, layout, rank)
-    from ..records import CPUOffloadPolicy
+    from ...core.records import CPUOffloadPolicy
 
     if (
         isinstance(offload, CPUOffloadPolicy)
@@ -296,10 +297,10 @@ def _build_group(
 
         state = attrs.evolve(state, flat=flat)
     # Each group gets its own scoped view of the shared communicators (the schedule check).
-    comm = ProcessGroupComm.for_mesh(mesh, -1).scoped()
-    rep = ProcessGroupComm.for_mesh(mesh, 0).scoped() if mesh.ndim == 2 else None
+    comm = scoped(ProcessGroupComm.for_mesh(mesh, -1))
+    rep = scoped(ProcessGroupComm.for_mesh(mesh, 0)) if mesh.ndim == 2 else None
     sub = (
-        _sub_group_comm(mesh, raf).scoped()
+        scoped(_sub_group_comm(mesh, raf))
         if (isinstance(raf, int) and not isinstance(raf, bool))
         else None
     )

@@ -18,10 +18,10 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from .. import codec as C
-from ..errors import GatherCodecError
-from ..records import GatherInputSpec, PostForwardState, ShardedState
-from .custom_comm import _abort_peers
+from ...core import codec as C
+from ...core.errors import GatherCodecError
+from ...core.records import GatherInputSpec, PostForwardState, ShardedState
+from ..comm.custom import _abort_peers
 from .gather import GatherSlot
 
 __all__ = ["CodecSlot", "adopt_codecs", "plain_data"]

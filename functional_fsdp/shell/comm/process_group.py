@@ -21,14 +21,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..comm import DoneWork, Work
-from ..errors import (
+from ...core.comm import DoneWork, Work
+from ...core.errors import (
     CollectiveError,
     CollectiveMismatchError,
     CollectiveTimeoutError,
     PeerAbortedError,
 )
-from .schedule import ALL_REDUCE, OPS, Position, ScopedComm, Waiter
+from .schedule import ALL_REDUCE, OPS, Position, Waiter
 
 __all__ = ["ProcessGroupComm"]
 
@@ -69,7 +69,7 @@ class _ThenWork:
 
 
 class ProcessGroupComm:
-    """A :class:`~functional_fsdp.comm.Communicator` over a ``torch.distributed`` process group.
+    """A :class:`~functional_fsdp.core.comm.Communicator` over a ``torch.distributed`` process group.
 
     Args:
         group: the process group (default: the world).
@@ -110,7 +110,7 @@ class ProcessGroupComm:
         # Point-to-point collectives posted and not yet waited for: seq -> (fp, messages).
         self._pending: dict[int, tuple[int, list]] = {}
         # The communicators of the same process group the model uses (a peer's position may
-        # be on any of them); told at the root's lazy init (schedule.introduce).
+        # be on any of them); told at the root's lazy init (scoped.introduce).
         self._siblings: weakref.WeakValueDictionary[int, ProcessGroupComm] = (
             weakref.WeakValueDictionary()
         )
@@ -149,11 +149,10 @@ class ProcessGroupComm:
         comm: ProcessGroupComm = cache[key]
         return comm
 
-    def scoped(self) -> ScopedComm:
-        """A view of this communicator for one parameter group: its collectives carry the
-        group's key in their tags (keys are handed out in ``fully_shard`` order, the same on
-        every rank, unique within the process group)."""
-        return ScopedComm(self, self._next_id("group_keys") if self._world_size > 1 else 0)
+    def next_group_key(self) -> int:
+        """The next parameter group's key on this process group (``fully_shard`` order: the
+        same on every rank; 0 at world size 1, where no collective needs one)."""
+        return self._next_id("group_keys") if self._world_size > 1 else 0
 
     def _next_id(self, what: str) -> int:
         return int(self._get_store().add(f"{self._pg_prefix}{what}/{dist.get_rank()}", 1))
@@ -294,7 +293,7 @@ class ProcessGroupComm:
         return name or f"#{key}"
 
     def meet(self, comms: list[ProcessGroupComm]) -> None:
-        """Know the other communicators of this process group (``schedule.introduce``)."""
+        """Know the other communicators of this process group (``scoped.introduce``)."""
         for c in comms:
             if c._pg_prefix == self._pg_prefix:
                 self._siblings[c._uid] = c

@@ -23,7 +23,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .. import transitions as T
+from ...core import transitions as T
+from .functional_path import GatherCall
+from .group import ParamGroup
 
 __all__ = [
     "FORWARD_AD_MESSAGE",
@@ -34,6 +36,7 @@ __all__ = [
     "UnshardFn",
     "explain_forward_ad_on_dtensor",
     "reduce_differentiably",
+    "unsharded_outputs",
 ]
 
 
@@ -41,7 +44,7 @@ class UnshardFn(torch.autograd.Function):
     """Forward: the group's full parameters. Backward: reduce-scatter their gradients."""
 
     @staticmethod
-    def forward(ctx: Any, group: Any, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, group: ParamGroup, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
         ctx.set_materialize_grads(False)
         outs = tuple(v.view_as(v) for v in group.views)
@@ -52,13 +55,24 @@ class UnshardFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        group: Any = ctx.group
+        group: ParamGroup = ctx.group
         if group.gradients_captured():
             # torch.autograd.grad(loss, params[, create_graph=True]): return the reduced
             # gradients to autograd instead of accumulating them into .grad.
-            return (None, *group.reduce_for_autograd(grads))
+            group.enter_post_backward()
+            out = reduce_differentiably(GatherCall.for_group(group), grads)
+            group.after_returned_reduce(keep_full=torch.is_grad_enabled())
+            return (None, *out)
         group.post_backward(grads)
         return (None,) * (1 + len(grads))
+
+
+def unsharded_outputs(group: ParamGroup) -> tuple[torch.Tensor, ...]:
+    """Autograd-tracked full tensors of ``group`` for this forward (their backward reduces the
+    gradients); plain views of the buffer when nothing needs a gradient."""
+    if torch.is_grad_enabled() and any(group.requires_grad):
+        return tuple(UnshardFn.apply(group, *group.params))
+    return tuple(v.view_as(v) for v in group.views)
 
 
 class GatherFn(torch.autograd.Function):
@@ -153,7 +167,9 @@ class GatherGradFn(torch.autograd.Function):
         return (None, *reduce_differentiably(ctx.call, grads))
 
 
-def reduce_differentiably(call: Any, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+def reduce_differentiably(
+    call: GatherCall, grads: Sequence[torch.Tensor | None]
+) -> tuple[Any, ...]:
     """Reduce-scatter full gradients into sharded ``DTensor`` gradients through autograd: when
     the backward runs with ``create_graph=True`` the reduction is recorded (its derivative is an
     all-gather) and the full parameters are kept for the double backward."""

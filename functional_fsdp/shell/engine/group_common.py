@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from ..errors import UnsupportedError
-from ..records import GroupLayout, MixedPrecisionPolicy, ParamSpec
+from ...core.errors import UnsupportedError
+from ...core.records import GroupLayout, MixedPrecisionPolicy, ParamSpec
 
 __all__ = ["ReduceChain", "TrainingState", "layout_for", "traced"]
 

@@ -38,8 +38,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import FSDPError, MissingDependencyError
-from .checkpoint_io import ChecksummingFileSystemWriter, SafeFileSystemReader, SafeLoadPlanner
+from ...core.errors import FSDPError, MissingDependencyError
+from .checkpoint_files import ChecksummingFileSystemWriter, SafeFileSystemReader, SafeLoadPlanner
 
 __all__ = [
     "ChecksummingFileSystemWriter",

@@ -15,7 +15,7 @@ format, the way DeepSpeed ZeRO++'s quantized gradients (qgZ) do:
 
 Error feedback: what encoding dropped (``x - decode(encode(x))``) becomes the residual, added
 to the next reduction's input, so the error does not accumulate over steps (the residual is
-:attr:`~functional_fsdp.records.ShardedState.residual`: a value in the state, never hidden in
+:attr:`~functional_fsdp.core.records.ShardedState.residual`: a value in the state, never hidden in
 the shell). It costs one fp32 buffer of the group's unsharded gradient size per rank.
 
 A non-finite gradient stays non-finite: a block holding ``inf``/``nan`` decodes as ``nan`` (a

@@ -5,8 +5,8 @@ its persistent buffer (the module path, :class:`~.group.ParamGroup`), the tensor
 to ``functional_call`` into a buffer per call (:class:`~.functional_path.GatherCall`), and the
 ``reshard_after_forward=k`` rows over the sub-group. Issuing, landing, freeing and abandoning a
 gather therefore exist once; callers differ only in the *source* they pass (a
-:class:`~functional_fsdp.records.ShardedState` or a
-:class:`~functional_fsdp.records.PostForwardState`) and the communicator.
+:class:`~functional_fsdp.core.records.ShardedState` or a
+:class:`~functional_fsdp.core.records.PostForwardState`) and the communicator.
 
 A slot is a handle, not a record: it owns live storage (resized to 0 when freed, so views
 autograd saved stay valid objects) and in-flight work. The *version* it remembers is the
@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from .. import transitions as T
-from ..comm import Communicator
-from ..records import GroupLayout, PostForwardState, ShardedState
+from ...core import transitions as T
+from ...core.comm import Communicator
+from ...core.records import GroupLayout, PostForwardState, ShardedState
 from .group_common import _preserve_version
 
 __all__ = ["GatherSlot"]

@@ -18,24 +18,22 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from .. import transitions as T
-from ..comm import Communicator
-from ..compression import GradCompression
-from ..records import (
+from ...core import transitions as T
+from ...core.comm import Communicator
+from ...core.compression import GradCompression
+from ...core.records import (
     CPUOffloadPolicy,
     GroupLayout,
     MixedPrecisionPolicy,
     OffloadPolicy,
     ShardedState,
 )
-from .autograd import UnshardFn, reduce_differentiably
-from .comm import ProcessGroupComm
-from .custom_comm import base_comm, with_all_reduce_hook
-from .functional_path import GatherCall
+from ..comm.custom import base_comm, with_all_reduce_hook
+from ..comm.process_group import ProcessGroupComm
+from ..comm.scoped import ScopedComm
 from .gather import GatherSlot
 from .group_common import ReduceChain, TrainingState, _contiguous_stride, layout_for, traced
 from .memory import huge_page_advisor
-from .schedule import ScopedComm
 
 __all__ = ["ParamGroup", "TrainingState", "layout_for"]
 
@@ -367,20 +365,25 @@ class ParamGroup:
         """Drop an all-gather that was prefetched but not used (it may now be stale)."""
         self.slot.discard()
 
-    def unsharded_outputs(self) -> tuple[torch.Tensor, ...]:
-        """Autograd-tracked full tensors for this forward (the backward reduces gradients)."""
-        if torch.is_grad_enabled() and any(self.requires_grad):
-            out = UnshardFn.apply(self, *self.params)
-            return tuple(out)
-        return tuple(v.view_as(v) for v in self.views)
-
     # ------------------------------------------------------------------ gradients
+
+    def enter_post_backward(self) -> None:
+        """This group's backward has reached its parameters (a reduction follows)."""
+        self.ran_post_backward = True
+        self.training_state = TrainingState.POST_BACKWARD
+
+    def after_returned_reduce(self, keep_full: bool) -> None:
+        """The gradients were reduced and returned to ``torch.autograd.grad``; ``keep_full``:
+        a ``create_graph=True`` backward needs the full parameters for a double backward."""
+        self.keep_for_double_backward = keep_full
+        if self.reshard_after_backward and not keep_full:
+            self.free()
+            self.register_sharded()
 
     @traced("post_backward")
     def post_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Reduce (or accumulate, without sync) the full gradients; reshard after backward."""
-        self.ran_post_backward = True
-        self.training_state = TrainingState.POST_BACKWARD
+        self.enter_post_backward()
         grads = [g if rg else None for g, rg in zip(grads, self.requires_grad)]
         if self.reshard_after_backward:
             # The gradients are separate tensors: free the full parameters before packing them.
@@ -480,18 +483,6 @@ class ParamGroup:
                     continue
             return view.grad_fn.next_functions[0][0]
         return None
-
-    def reduce_for_autograd(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
-        """Reduce synchronously and return the sharded ``DTensor`` gradients to autograd (with
-        ``create_graph=True`` the reduction is differentiable and the full parameters stay)."""
-        self.ran_post_backward = True
-        self.training_state = TrainingState.POST_BACKWARD
-        out = reduce_differentiably(GatherCall.for_group(self), grads)
-        self.keep_for_double_backward = torch.is_grad_enabled()
-        if self.reshard_after_backward and not self.keep_for_double_backward:
-            self.free()
-            self.register_sharded()
-        return out
 
     def _alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype, device=device)

@@ -1,7 +1,7 @@
 """The communicator protocol the core receives.
 
 The core never imports ``torch.distributed``: a transition that needs a collective takes a
-:class:`Communicator` argument. Implementations: :class:`functional_fsdp.shell.comm.ProcessGroupComm`
+:class:`Communicator` argument. Implementations: :class:`functional_fsdp.shell.comm.process_group.ProcessGroupComm`
 (real process groups, gloo or NCCL) and :class:`functional_fsdp.testing.SimulatedWorld` (N ranks
 as threads of one process).
 
@@ -140,7 +140,7 @@ class PiecesCommunicator(Communicator, Protocol):
     unsharded buffer, with no packing copy; they move the bytes of the packed collectives.
     They pay off for large groups only (a message per parameter costs more than one packing
     copy for small ones): the core takes them for a group whose unsharded bytes
-    (:attr:`~functional_fsdp.records.GroupLayout.unsharded_bytes`) reach ``pieces_min_bytes``.
+    (:attr:`~functional_fsdp.core.records.GroupLayout.unsharded_bytes`) reach ``pieces_min_bytes``.
     """
 
     @property
@@ -171,7 +171,7 @@ class PiecesCommunicator(Communicator, Protocol):
 
 
 def check_comm(comm: Communicator, world_size: int, what: str) -> None:
-    """Raise :class:`~functional_fsdp.errors.MeshError` unless ``comm`` spans ``world_size``
+    """Raise :class:`~functional_fsdp.core.errors.MeshError` unless ``comm`` spans ``world_size``
     ranks (checked before any collective)."""
     if comm.world_size != world_size:
         raise MeshError(

@@ -1,11 +1,11 @@
 """Frozen records: parameter specs, group layouts, sharded/unsharded states, and policies.
 
 State records (:class:`ShardedState`, :class:`UnshardedState`, :class:`PostForwardState`) are
-pytrees in :data:`functional_fsdp._tree.NAMESPACE`: their tensors are children, their layout and
+pytrees in :data:`functional_fsdp.core._tree.NAMESPACE`: their tensors are children, their layout and
 rank are static metadata. Layout records (:class:`ParamSpec`, :class:`GroupLayout`) hold only
 integers, dtypes and strings: they are hashable and answer shape questions without data.
 Invariants are checked when a record is built, so a record that exists is consistent. Only
-unflattening skips them (:func:`functional_fsdp._tree.register`): ``tree_map(lambda t: t.shape,
+unflattening skips them (:func:`functional_fsdp.core._tree.register`): ``tree_map(lambda t: t.shape,
 state)`` is a record of shapes, as a pytree must allow.
 """
 
@@ -267,7 +267,7 @@ class ShardedState:
         partial: HSDP reduce-scattered gradients not yet all-reduced across replicas
             (``set_requires_all_reduce(False)``), in the reduce dtype; ``None`` otherwise.
         residual: the error feedback of compressed gradient reduction
-            (:class:`~functional_fsdp.compression.GradCompression`): what encoding dropped
+            (:class:`~functional_fsdp.core.compression.GradCompression`): what encoding dropped
             last time, fp32, the group's padded unsharded gradient size; ``None`` otherwise.
     """
 

@@ -23,9 +23,9 @@ from typing import Any
 import attrs
 import torch.nn as nn
 
-from ..errors import StateError
-from ..records import CPUOffloadPolicy, OffloadPolicy, ShardedState
-from .group import ParamGroup, TrainingState
+from ...core.errors import StateError
+from ...core.records import CPUOffloadPolicy, OffloadPolicy, ShardedState
+from ..engine.group import ParamGroup, TrainingState
 from .state import FSDPState, hooks_for, register_fsdp_forward_method
 
 __all__ = ["deepcopy_fsdp_module"]

@@ -9,13 +9,13 @@ whatever bytes it finds to ``torch.load``. Ours:
 - **no path outside the directory**: every storage path the metadata names must resolve inside
   the checkpoint directory (no absolute path, no ``..``, no symlink that leads out), checked
   for all items when the metadata is read, before any storage file is opened
-  (:class:`~functional_fsdp.errors.CheckpointPathError`);
+  (:class:`~functional_fsdp.core.errors.CheckpointPathError`);
 - **no silent corruption**: ``save_checkpoint`` (in :mod:`.checkpoint`) records a CRC-32 of every stored item's
   bytes in a JSON sidecar ``.checksums.json`` (written by the coordinator before ``.metadata``,
   so the metadata file stays the commit point), and the reader verifies each item before
-  ``torch.load`` sees it (:class:`~functional_fsdp.errors.CheckpointIntegrityError`, naming the
+  ``torch.load`` sees it (:class:`~functional_fsdp.core.errors.CheckpointIntegrityError`, naming the
   item). A checkpoint without the sidecar (plain ``dcp.save``) loads with an
-  :class:`~functional_fsdp.errors.UncheckedCheckpointWarning`.
+  :class:`~functional_fsdp.core.errors.UncheckedCheckpointWarning`.
 
 Why CRC-32 (``zlib.crc32``): it detects every error burst up to 32 bits (so any flipped 4 bytes)
 and runs at ~3.3 GiB/s here against ~1.5 GiB/s for SHA-256. The sidecar guards against
@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ..errors import (
+from ...core.errors import (
     CheckpointIntegrityError,
     CheckpointPathError,
     UncheckedCheckpointWarning,

@@ -7,7 +7,7 @@ transition, and the sharded ``DTensor`` parameters are registered again.
 
 Design notes:
 
-- The full tensors come from the pure :func:`~functional_fsdp.transitions.unshard` over the
+- The full tensors come from the pure :func:`~functional_fsdp.core.transitions.unshard` over the
   group's communicator, in each parameter's *original* dtype (FSDP1 summons full precision even
   under mixed precision), and independent of the group's unsharded compute buffer.
 - The new sharded record that ``writeback`` returns is committed by copying its buffer into the
@@ -34,10 +34,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .. import transitions as T
-from ..errors import PolicyError, StateError
-from ..records import GroupLayout, ShardedState, UnshardedState
-from .group import ParamGroup, TrainingState
+from ...core import transitions as T
+from ...core.errors import PolicyError, StateError
+from ...core.records import GroupLayout, ShardedState, UnshardedState
+from ..engine.group import ParamGroup, TrainingState
 
 __all__ = ["summon_full_params"]
 

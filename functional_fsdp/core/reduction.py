@@ -4,7 +4,7 @@
 keeps this rank's shard, as FSDP2 does: pack in the reduce dtype, pre-divide, one
 reduce-scatter, HSDP all-reduce (or a kept partial sum), post-divide, cast, accumulate.
 :func:`begin_reduce` / :func:`finish_reduce` split it around the collective so a caller can
-overlap it with compute. Re-exported by :mod:`functional_fsdp.transitions`.
+overlap it with compute. Re-exported by :mod:`functional_fsdp.core.transitions`.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def begin_reduce(
     ``alloc(numel, dtype, device)`` makes the output buffer (the new sharded gradients); the
     shell injects one that advises the kernel about the fresh memory. Default: ``torch.empty``.
     ``compression`` replaces the reduce-scatter by the compressed one of
-    :mod:`functional_fsdp.compression` (on more than one rank), with its residual taken from
+    :mod:`functional_fsdp.core.compression` (on more than one rank), with its residual taken from
     and returned to ``sharded.residual``.
     """
     if compression is not None and not isinstance(compression, GradCompression):
@@ -326,7 +326,7 @@ def reduce_grad(
         reduce_unused: reduce (zeros for) parameters without a gradient too.
         accumulate: add to existing sharded grads instead of replacing them.
         compression: reduce-scatter in a narrow format with error feedback (beyond FSDP2; see
-            :mod:`functional_fsdp.compression`); the residual is read from and returned in
+            :mod:`functional_fsdp.core.compression`); the residual is read from and returned in
             :attr:`ShardedState.residual`.
     """
     pending = begin_reduce(

@@ -1,6 +1,6 @@
 """2-D parallelism in the shell: tensor-parallel ``DTensor`` parameters under ``fully_shard``.
 
-The pure math lives in :mod:`functional_fsdp.tp`; this module maps it onto ``DTensor``:
+The pure math lives in :mod:`functional_fsdp.core.tensor_parallel`; this module maps it onto ``DTensor``:
 
 * :func:`plan_tensor_parallel` reads the parameters of a new group once, checks each TP
   parameter's mesh and placements against the data-parallel mesh (named errors, before any
@@ -26,10 +26,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .. import tp as TP
-from ..errors import IncompatibleMeshError, MeshError, TiedPlacementError, UnsupportedError
-from ..records import GroupLayout, ParamSpec
-from .group_common import _contiguous_stride
+from ...core import tensor_parallel as TP
+from ...core.errors import IncompatibleMeshError, MeshError, TiedPlacementError, UnsupportedError
+from ...core.records import GroupLayout, ParamSpec
+from ..engine.group_common import _contiguous_stride
 
 __all__ = ["TensorParallelPlan", "WrapFullFn", "plan_tensor_parallel", "resolve_dp_mesh_dims"]
 
@@ -157,7 +157,7 @@ class TensorParallelPlan:
                 f"gathering the global tensor of {spec.fqn!r} over a {len(info.tp_dims)}-D TP "
                 "mesh is not supported yet (1-D TP only); use DCP or p.full_tensor() instead"
             )
-        from .comm import ProcessGroupComm
+        from ..comm.process_group import ProcessGroupComm
 
         return ProcessGroupComm.for_mesh(info.unsharded_mesh, info.tp_dims[0])
 

@@ -13,12 +13,13 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
-from ..errors import PolicyError, StateError
-from ..records import MixedPrecisionPolicy
-from . import functional_path
-from .group import ParamGroup, TrainingState
-from .group_common import ReduceChain, traced
-from .schedule import introduce, resync
+from ...core.errors import PolicyError, StateError
+from ...core.records import MixedPrecisionPolicy
+from ..comm.scoped import introduce, resync
+from ..engine.autograd import unsharded_outputs
+from ..engine.group import ParamGroup, TrainingState
+from ..engine.group_common import ReduceChain, traced
+from . import functional_call
 
 __all__ = ["FSDPState", "hooks_for", "register_fsdp_forward_method"]
 
@@ -91,7 +92,7 @@ class FSDPState:
                     f"model(x) on {self.name!r}, not a submodule), or build the model again and "
                     "apply fully_shard afresh"
                 )
-        from .reload import readopt_replaced
+        from ..io.reload import readopt_replaced
 
         for s in states:
             # A parameter replaced on its module since fully_shard (e.g. a meta parameter
@@ -120,7 +121,7 @@ class FSDPState:
                 seen_groups.add(id(s.group))
                 for p in s.group.params:
                     if id(p) in seen:
-                        from ..errors import TiedParameterError
+                        from ...core.errors import TiedParameterError
 
                         raise TiedParameterError(
                             f"a parameter is managed by both {seen[id(p)]!r} and {s.name!r}; tie it "
@@ -187,7 +188,7 @@ class FSDPState:
             root.forward_order.append(self)
         # The parameter source: tensors the caller registered (functional_call, torch.func)
         # are gathered per call by the same engine; otherwise the group's own shards below.
-        if functional_path.pre_forward(self):
+        if functional_call.pre_forward(self):
             return args, kwargs
         if g is not None and g.forward_users > 1 and g.training_state == TrainingState.FORWARD:
             # Another module of the same fully_shard([...]) group already unsharded it.
@@ -198,7 +199,7 @@ class FSDPState:
             g.wait_unshard()
             for t in self.forward_prefetch_targets():
                 t.group.start_unshard()  # type: ignore[union-attr]
-            g.full_outputs = g.unsharded_outputs()
+            g.full_outputs = unsharded_outputs(g)
             g.register_full(g.full_outputs)
         else:
             for t in self.forward_prefetch_targets():
@@ -232,7 +233,7 @@ class FSDPState:
             return output
         functional = self.functional is not None  # caller-passed sources (see _pre_forward)
         if functional:
-            output = functional_path.post_forward(self, output)
+            output = functional_call.post_forward(self, output)
         root = self.root
         if root is not None and not root.order_recorded:
             root.post_forward_order.append(self)

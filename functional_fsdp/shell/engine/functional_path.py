@@ -17,8 +17,8 @@ previous group's re-gather, as the shell prefetches), and the reduction frees it
 Per-call state lives in :class:`GatherCall` records owned by the autograd graph (and by the
 ``FSDPState`` only between the group's pre- and post-forward), never in module-level globals.
 
-The shell calls :func:`pre_forward` / :func:`post_forward` from ``FSDPState`` (two small branches
-in ``shell/state.py``); nothing else in the shell knows about this path.
+The root's hooks enter and leave this path in :mod:`functional_fsdp.shell.api.functional_call`
+(two small branches in ``shell/api/state.py``); nothing else in the shell knows about it.
 
 Transforms (each claim is a test in ``tests/test_functional_step.py``; see
 ``docs/functional.md``): ``grad`` and ``vjp`` w.r.t. the parameters, and ``grad``, ``jvp`` and
@@ -36,31 +36,27 @@ gradients (the functional training step) overlap the reduce-scatters with the re
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
-from .. import layout as L
-from .. import transitions as T
-from ..errors import UnsupportedError
-from ..records import ShardedState
-from .autograd import GatherFn
+from ...core import layout as L
+from ...core import transitions as T
+from ...core.records import ShardedState
 from .gather import GatherSlot
+from .group import ParamGroup
 from .group_common import refuse_functional_sources
-
-if TYPE_CHECKING:
-    from .group import ParamGroup
-    from .state import FSDPState
 
 __all__ = [
     "DeferredReductions",
     "FunctionalForward",
     "GatherCall",
-    "post_forward",
-    "pre_forward",
+    "Prefetch",
+    "check_sources",
+    "pack_sources",
+    "registered_sources",
     "substituted",
 ]
 
@@ -77,10 +73,9 @@ def substituted(group: ParamGroup) -> bool:
     return False
 
 
-def _wants_functional(states: Sequence[FSDPState]) -> bool:
-    if torch._C._are_functorch_transforms_active():
-        return True
-    return any(s.group is not None and substituted(s.group) for s in states)
+def registered_sources(group: ParamGroup) -> list[Any]:
+    """The tensors registered on ``group``'s modules now (the caller's, in a functional call)."""
+    return [holders[0][0]._parameters[holders[0][1]] for holders in group.holders]
 
 
 class FunctionalForward:
@@ -90,7 +85,7 @@ class FunctionalForward:
 
     def __init__(self) -> None:
         self.calls: list[GatherCall] = []
-        self.prefetched: dict[Any, _Prefetch] = {}
+        self.prefetched: dict[Any, Prefetch] = {}
 
     def drain(self) -> None:
         """Wait for prefetched all-gathers nobody consumed (every rank issued them)."""
@@ -99,7 +94,7 @@ class FunctionalForward:
         self.prefetched.clear()
 
 
-class _Prefetch:
+class Prefetch:
     """An all-gather issued ahead of a group's forward from the sources then registered."""
 
     __slots__ = ("sharded", "slot", "sources")
@@ -108,12 +103,6 @@ class _Prefetch:
         self.sources = sources
         self.sharded = sharded
         self.slot = slot
-
-
-class _Marker:
-    """A state without a group inside a functional forward (nothing to gather)."""
-
-    __slots__ = ()
 
 
 class DeferredReductions:
@@ -156,133 +145,6 @@ class DeferredReductions:
                     dst.copy_(src)
 
 
-# ------------------------------------------------------------------------------ the hooks
-
-
-def pre_forward(state: FSDPState) -> bool:
-    """Take the functional path for ``state``'s forward if this forward is functional.
-
-    Decided once at the root (any substituted slot in any group, or a ``torch.func`` transform
-    active); a state run outside a root forward decides for itself. Returns ``True`` when the
-    path was taken (the shell then skips its own unshard and prefetch).
-    """
-    root = state.root
-    assert root is not None
-    state.functional = None
-    if state.is_root or not root.in_forward:
-        states = root.all_states if state.is_root else [state]
-        if not _wants_functional(states):
-            return False
-        _refuse_transform_over_tp(state, states)
-        fwd = FunctionalForward()
-        if state.is_root:
-            root.functional = fwd
-    else:
-        rec = root.functional
-        if not isinstance(rec, (FunctionalForward, GatherCall)):
-            return False
-        maybe = rec if isinstance(rec, FunctionalForward) else rec.forward
-        if maybe is None:
-            return False
-        fwd = maybe
-    g = state.group
-    if g is not None:
-        call = GatherCall(g, fwd)
-        sources = tuple(_sources(g))
-        _check_sources(g, sources)
-        call.sources = sources
-        call.prefetch = fwd.prefetched.pop(state, None)
-        fulls = GatherFn.apply(call, *sources)
-        g.register_full(fulls)
-        fwd.calls.append(call)
-        call.is_root = state.is_root
-        state.functional = call
-    elif not state.is_root:
-        state.functional = _Marker()
-    _prefetch_next(state, fwd)
-    return True
-
-
-TP_TRANSFORM_MESSAGE = (
-    "torch.func transforms (grad, vjp, vmap, jvp, ...) over a module with tensor-parallel "
-    "DTensor parameters are not supported: DTensor's own autograd Functions (DTensor.from_local "
-    "in parallelize_module's input hooks, to_local, redistribute) have no setup_context in "
-    "torch 2.13, so functorch cannot run them even without FSDP. Use "
-    "torch.autograd.grad(loss, params) with torch.func.functional_call (what "
-    "functional_fsdp.functional.make_train_step does), or loss.backward()"
-)
-
-
-def _refuse_transform_over_tp(state: FSDPState, states: Sequence[FSDPState]) -> None:
-    """Raise before any collective when a ``torch.func`` transform runs over 2-D (FSDP + TP),
-    undoing what the shell's pre-forward did so far (the module stays usable)."""
-    if torch._C._are_functorch_transforms_active() and any(
-        s.group is not None and s.group.tp is not None for s in states
-    ):
-        state.depth = max(0, state.depth - 1)
-        if state.is_root and state.root is not None:
-            state.root.in_forward = False
-        raise UnsupportedError(TP_TRANSFORM_MESSAGE)
-
-
-def _sources(group: ParamGroup) -> list[Any]:
-    return [holders[0][0]._parameters[holders[0][1]] for holders in group.holders]
-
-
-def _prefetch_next(state: FSDPState, fwd: FunctionalForward) -> None:
-    """Start the next group's all-gather now, as the shell prefetches (plain DTensor sources
-    only: under a ``torch.func`` transform the sources are wrapped until the Function runs)."""
-    for target in state.forward_prefetch_targets():
-        g = target.group
-        if g is None or target in fwd.prefetched or any(c.group is g for c in fwd.calls):
-            continue
-        sources = tuple(_sources(g))
-        if not all(isinstance(s, DTensor) for s in sources):
-            continue
-        try:
-            _check_sources(g, sources)
-        except (TypeError, ValueError):
-            continue  # raised, with the parameter's name, when that group's forward runs
-        sharded = _pack(g, sources)
-        slot = g.new_slot()
-        slot.start(sharded, g.comm)
-        fwd.prefetched[target] = _Prefetch(sources, sharded, slot)
-
-
-def post_forward(state: FSDPState, output: Any) -> Any:
-    """Put the caller's tensors back on the modules, reshard, hook the re-gather for backward."""
-    rec = state.functional
-    state.functional = None
-    root = state.root
-    if state.is_root or (root is not None and not root.in_forward):
-        # The state that opened this functional forward closes it.
-        fwd = rec.forward if isinstance(rec, GatherCall) else rec
-        if isinstance(fwd, FunctionalForward):
-            fwd.drain()
-            fwd.calls.clear()  # the graph keeps the calls it needs (no reference cycle)
-    if not isinstance(rec, GatherCall):
-        return output
-    rec.forward = None
-    g = rec.group
-    for src, holders in zip(rec.sources, g.holders):
-        for m, n in holders:
-            m._parameters[n] = src
-    rec.sources = ()
-    tensors = []
-    if torch.is_grad_enabled():
-        tensors = [
-            t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
-    if not tensors:
-        # Nothing saved for backward: drop the buffer (outputs aliasing it keep it alive).
-        rec.slot = None
-        return output
-    if g.reshard_after_forward is not False:
-        rec.free()
-    torch.autograd.graph.register_multi_grad_hook(tensors, rec.pre_backward_hook, mode="any")
-    return output
-
-
 # ------------------------------------------------------------------------------ the gather
 
 
@@ -321,7 +183,7 @@ class GatherCall:
         self.sources: tuple[Any, ...] = ()
         self.sharded: ShardedState | None = None
         self.slot: GatherSlot | None = None
-        self.prefetch: _Prefetch | None = None
+        self.prefetch: Prefetch | None = None
         self.deferred: DeferredReductions | None = None
         self.is_root = False
         # Set by a backward run with create_graph=True: the reduction is recorded for double
@@ -352,7 +214,7 @@ class GatherCall:
         else:
             if pre is not None:
                 pre.slot.discard()
-            self.sharded, self.slot = _pack(g, sources), g.new_slot()
+            self.sharded, self.slot = pack_sources(g, sources), g.new_slot()
         tags = [getattr(s, DeferredReductions.ATTR, None) for s in sources]
         if tags and all(t is tags[0] for t in tags):
             self.deferred = tags[0]
@@ -457,7 +319,7 @@ def _local(group: ParamGroup, t: torch.Tensor, i: int) -> torch.Tensor:
     )
 
 
-def _check_sources(group: ParamGroup, sources: Sequence[Any]) -> None:
+def check_sources(group: ParamGroup, sources: Sequence[Any]) -> None:
     for i, (src, spec) in enumerate(zip(sources, group.layout.specs)):
         if not isinstance(src, torch.Tensor):
             raise TypeError(
@@ -479,7 +341,7 @@ def _functorch_wrapped(t: torch.Tensor) -> bool:
     ) or torch._C._functorch.is_batchedtensor(t)
 
 
-def _pack(group: ParamGroup, sources: Sequence[torch.Tensor]) -> ShardedState:
+def pack_sources(group: ParamGroup, sources: Sequence[torch.Tensor]) -> ShardedState:
     """The sources' local shards packed in the group's storage layout (zero-copy when they are
     the group's own parameters)."""
     if all(s is p for s, p in zip(sources, group.params)):

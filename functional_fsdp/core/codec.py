@@ -6,8 +6,8 @@ tensor defines ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_
 sends its ``inputs`` (any number, any dtypes: e.g. int8 data and fp32 scales) instead of its
 padded shard, and is rebuilt from the gathered outputs by the post hook.
 
-* :func:`with_codec_inputs` teaches a :class:`~functional_fsdp.records.GroupLayout` the
-  per-parameter input shapes and dtypes (:class:`~functional_fsdp.records.GatherInputSpec`);
+* :func:`with_codec_inputs` teaches a :class:`~functional_fsdp.core.records.GroupLayout` the
+  per-parameter input shapes and dtypes (:class:`~functional_fsdp.core.records.GatherInputSpec`);
   the packed all-gather buffer then holds every parameter's inputs (``layout.encoded``; plain
   parameters send their padded shard in the gather dtype), bytes when dtypes mix.
 * :func:`begin_codec_unshard` encodes (checking each rank's inputs against the layout before

@@ -17,11 +17,11 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from ..compression import GradCompression
-from ..errors import PolicyError, StateError, UnsupportedError
-from ._copy import deepcopy_fsdp_module
-from .custom_comm import CustomCollectiveComm, check_custom_comm, unwrap
-from .group import ParamGroup
+from ...core.compression import GradCompression
+from ...core.errors import PolicyError, StateError, UnsupportedError
+from ..comm.custom import CustomCollectiveComm, check_custom_comm, unwrap
+from ..engine.group import ParamGroup
+from .deepcopy import deepcopy_fsdp_module
 from .state import FSDPState, register_fsdp_forward_method
 
 __all__ = [
@@ -204,11 +204,11 @@ class FSDPModule(TorchFSDPModule):
     ) -> None:
         """Beyond FSDP2: reduce-scatter gradients in a narrow format with error feedback.
 
-        ``compression`` is a :class:`~functional_fsdp.compression.GradCompression` (e.g. int8
+        ``compression`` is a :class:`~functional_fsdp.core.compression.GradCompression` (e.g. int8
         with one fp32 scale per 256 elements: 3.94x fewer bytes than fp32) or ``None`` for
         FSDP2's exact reduction (which also drops the residual). Call it with the same policy
         on every rank. The residual of the error feedback lives in each group's
-        :class:`~functional_fsdp.records.ShardedState` (one fp32 buffer of the group's
+        :class:`~functional_fsdp.core.records.ShardedState` (one fp32 buffer of the group's
         unsharded gradient size); it is not part of ``state_dict``.
 
         Raises:
@@ -261,7 +261,7 @@ class FSDPModule(TorchFSDPModule):
 
         Input and output buffers come from ``comm.allocate`` (in the reduce dtype), then
         ``comm(output_tensor=..., input_tensor=..., group=..., op=ReduceOp.AVG | SUM,
-        async_op=True)``. See :mod:`functional_fsdp.shell.custom_comm` for the details.
+        async_op=True)``. See :mod:`functional_fsdp.shell.comm.custom` for the details.
 
         Raises:
             PolicyError: ``comm`` has no ``allocate`` method or is not callable.

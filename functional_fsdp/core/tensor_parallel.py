@@ -4,7 +4,7 @@ A parameter that arrives as a tensor-parallel ``DTensor`` is described by its gl
 its placements on the TP mesh dims (``"Shard(d)"`` or ``"Replicate()"``, in mesh-dim order).
 FSDP shards its **TP-local** tensor over the data-parallel ranks, so every transition
 (``shard``/``unshard``/``reshard``/``writeback``/``reduce_grad``) runs unchanged on TP-local
-shapes: a :class:`~functional_fsdp.records.ParamSpec` built by :func:`tp_param_spec` has
+shapes: a :class:`~functional_fsdp.core.records.ParamSpec` built by :func:`tp_param_spec` has
 ``shape`` = the TP-local shape, ``global_shape`` and ``tp_placements`` set.
 
 Everything here takes sizes and coordinates as integers (no process group): the TP-local
@@ -48,7 +48,7 @@ SUPPORTED_TP_PLACEMENTS = "Shard(d) and Replicate() on each tensor-parallel mesh
 @functools.lru_cache(maxsize=1024)
 def parse_placement(text: str) -> int | None:
     """``"Shard(d)"`` -> ``d``; ``"Replicate()"`` -> ``None``; anything else raises
-    :class:`~functional_fsdp.errors.UnsupportedPlacementError`."""
+    :class:`~functional_fsdp.core.errors.UnsupportedPlacementError`."""
     if text == "Replicate()":
         return None
     if text.startswith("Shard(") and text.endswith(")") and text[6:-1].isdigit():
