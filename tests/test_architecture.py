@@ -26,6 +26,7 @@ CORE = (
     "comm",
     "codec",
     "tensor_parallel",
+    "reproducible",
 )
 FORBIDDEN = ("torch.distributed", "torch.cuda", f"{PACKAGE}.shell")
 
@@ -40,6 +41,7 @@ ALLOWED_INTERNAL = {
     "reduction": {"errors", "_tree", "layout", "records", "comm", "compression"},
     "codec": {"errors", "layout", "records", "comm"},
     "tensor_parallel": {"errors", "layout", "records", "comm"},
+    "reproducible": {"errors", "_tree", "layout", "records", "comm", "reduction"},
     "transitions": {"errors", "_tree", "layout", "records", "reduction", "comm"},
 }
 

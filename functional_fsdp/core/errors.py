@@ -24,6 +24,7 @@ __all__ = [
     "MeshError",
     "MissingDependencyError",
     "PolicyError",
+    "ReproducibilityError",
     "ScalarParameterError",
     "StateError",
     "TiedParameterError",
@@ -237,3 +238,10 @@ class WholeMatrixError(FSDPError, ValueError):
     2-D, or a placement other than ``Shard(0)`` / ``Replicate`` on its mesh (2-D FSDP + TP), or
     local rows that are not ``torch.chunk``'s; also raised when ``torch.optim.Muon`` is stepped
     on sharded ``DTensor`` parameters, which it does not orthogonalize as whole matrices."""
+
+
+class ReproducibilityError(FSDPError, ValueError):
+    """A :class:`~functional_fsdp.core.reproducible.ReproduciblePolicy` cannot hold as used: a
+    virtual world size that is not a power of two, a data-parallel world size that does not
+    divide it, a step that ran a different number of micro-batches than ``V / N``, or a
+    feature whose sums the policy cannot order (e.g. compressed reduction)."""

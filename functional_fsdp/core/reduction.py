@@ -36,6 +36,7 @@ __all__ = [
     "finish_reduce",
     "pack_grads",
     "reduce_grad",
+    "split_reduced",
 ]
 
 
@@ -234,7 +235,6 @@ def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> Sharded
     """Wait; HSDP all-reduce; post-divide; split per parameter; cast; add to existing grads."""
     pending.work.wait()
     sharded, out, factors = pending.sharded, pending.output, pending.factors
-    lay = sharded.layout
     # Only an HSDP reduction consumes (adds, then clears) the partial sum; without a replicate
     # group it is carried over like every other field this reduction does not touch.
     partial = sharded.partial if pending.replicate_comm is None else None
@@ -247,12 +247,23 @@ def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> Sharded
             pending.replicate_comm.all_reduce(out, op=factors.all_reduce_op).wait()
     if factors.post is not None and factors.post != 1:
         out = out / factors.post
+    grads = split_reduced(sharded, out, pending.present, accumulate=accumulate)
+    return attrs.evolve(sharded, grads=grads, partial=partial, residual=pending.residual)
+
+
+def split_reduced(
+    sharded: ShardedState, out: torch.Tensor, present: Sequence[bool], *, accumulate: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """The reduced packed shard ``out`` as one sharded gradient per parameter (views where the
+    dtype and device allow), in each parameter's dtype on the shards' device; a parameter not
+    ``present`` keeps its old gradient, the others are added to it with ``accumulate``."""
+    lay = sharded.layout
     old = sharded.grads or (None,) * len(lay)
     new: list[torch.Tensor | None] = []
     off = 0
     for i, spec in enumerate(lay.specs):
         n = L.prod(lay.shard_shapes[i])
-        if not pending.present[i]:
+        if not present[i]:
             new.append(old[i])
         else:
             g = out.narrow(0, off, n).view(lay.shard_shapes[i])
@@ -261,7 +272,7 @@ def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> Sharded
             prev = old[i]
             new.append(g + prev if (accumulate and prev is not None) else g)
         off += n
-    return attrs.evolve(sharded, grads=tuple(new), partial=partial, residual=pending.residual)
+    return tuple(new)
 
 
 def accumulate_local_grads(
