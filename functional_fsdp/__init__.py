@@ -38,6 +38,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "reshard": (".core.transitions", "reshard"),
     "writeback": (".core.transitions", "writeback"),
     "reduce_grad": (".core.transitions", "reduce_grad"),
+    "ReproduciblePolicy": (".core.reproducible", "ReproduciblePolicy"),
     "tree_flatten": (".core._tree", "tree_flatten"),
     "tree_leaves": (".core._tree", "tree_leaves"),
     "tree_map": (".core._tree", "tree_map"),
@@ -63,6 +64,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "apply_to_module": (".functional", "apply_to_module"),
     "make_train_step": (".functional", "make_train_step"),
     "init_train_state": (".functional", "init"),
+    "clip_grad_norm_": (".functional.norms", "clip_grad_norm_"),
 }
 __all__ = sorted(_PUBLIC)
 

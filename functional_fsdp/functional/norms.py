@@ -21,9 +21,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..core._tree import tree_leaves
 from ..core.comm import Communicator
-from ..core.errors import StepInputError
+from ..core.errors import ReproducibilityError, StepInputError
+from ..core.reproducible import canonical_norm, gather_row_sums, row_square_sums
 
-__all__ = ["global_norm"]
+__all__ = ["canonical_global_norm", "clip_grad_norm_", "global_norm"]
 
 _Key = tuple[Any, tuple[int, ...]]
 _Comms = tuple[Communicator, ...]
@@ -211,3 +212,79 @@ class StepNorms:
         if self._cache is not None and self._cache[0] == [id(t) for t in locals_]:
             return self._cache[1]
         return norm_by_groups(locals_, self.groups)[0]
+
+
+# ------------------------------------------------------------------------------ reproducible
+
+
+def _row_comm(t: Any, comms: dict[Any, Communicator]) -> Communicator | None:
+    """The communicator ``t`` 's dim-0 rows are sharded over (``None``: all rows are here)."""
+    key = _shard_key(t)
+    if key is None:
+        return None
+    mesh, dims = key
+    placements = t.placements
+    if len(dims) != 1 or not (
+        isinstance(placements[dims[0]], Shard) and placements[dims[0]].dim == 0
+    ):
+        raise ReproducibilityError(
+            f"a reproducible norm sums per dim-0 row; a tensor placed {tuple(placements)} on a "
+            f"{mesh.ndim}-D mesh splits its rows otherwise (only Shard(0) over one mesh dim, "
+            "with Replicate elsewhere, is supported: 1-D FSDP and HSDP)"
+        )
+    return _comm_for(key, comms)[0]
+
+
+def canonical_global_norm(tensors: Any) -> torch.Tensor:
+    """The 2-norm of all the tensors of ``tensors`` together, with bits that do not depend on
+    how they are sharded: each rank sums the squares of each of its dim-0 rows, one all-gather
+    per shard group collects every row, and one fixed pairwise tree adds all rows of all tensors
+    (in the order given). The same on 1, 2, 4, ... ranks (see ``docs/reproducibility.md``); a
+    collective on every rank of the tensors' shard groups.
+
+    Args:
+        tensors: a pytree of tensors: sharded ``DTensor`` s (``Shard(0)``, 1-D FSDP or HSDP) or
+            plain tensors held whole by this rank.
+    """
+    leaves = [t for t in tree_leaves(tensors) if isinstance(t, torch.Tensor)]
+    comms: dict[Any, Communicator] = {}
+    by_comm: dict[int, tuple[Communicator, list[int]]] = {}
+    rows = [row_square_sums(_local(t)) for t in leaves]
+    for i, t in enumerate(leaves):
+        comm = _row_comm(t, comms)
+        if comm is not None:
+            by_comm.setdefault(id(comm), (comm, []))[1].append(i)
+    for comm, idx in by_comm.values():
+        full = gather_row_sums([rows[i] for i in idx], [leaves[i].shape[0] for i in idx], comm)
+        for i, r in zip(idx, full):
+            rows[i] = r
+    return canonical_norm(rows)
+
+
+def clip_grad_norm_(
+    parameters: Any, max_norm: float, *, error_if_nonfinite: bool = False
+) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` (2-norm) for sharded parameters whose norm has the
+    same bits on every world size: the norm is :func:`canonical_global_norm` of the gradients,
+    and every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))`` in place, as torch
+    does. Returns the total norm (a plain 0-d float32 tensor, the same on every rank).
+
+    Args:
+        parameters: an iterable of parameters (or one tensor) whose ``.grad`` to clip.
+        max_norm: the largest norm allowed.
+        error_if_nonfinite: raise when the total norm is ``nan`` or ``inf``.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    total = canonical_global_norm(grads)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise StepInputError(
+            f"the total norm of the gradients is {total.item()}, so they cannot be clipped; "
+            "pass error_if_nonfinite=False to clip anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    locals_ = [_local(g) for g in grads]
+    for dtype in {t.dtype for t in locals_}:
+        same = [t for t in locals_ if t.dtype == dtype]
+        torch._foreach_mul_(same, coef.to(dtype=dtype, device=same[0].device))
+    return total
