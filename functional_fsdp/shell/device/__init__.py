@@ -1,0 +1,1 @@
+"""The device seam: streams, events and buffer lifetimes (see ``runtime.py``)."""

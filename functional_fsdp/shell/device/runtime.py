@@ -1,0 +1,162 @@
+"""The device seam: streams, events and buffer lifetimes, as the engine sees them.
+
+The engine issues every copy-in, collective, copy-out, reduction and free through a
+:class:`DeviceRuntime`: it names the stream an operation runs on, records and waits on events
+between streams, annotates which buffers an operation reads and writes, and frees a buffer only
+*after* the events of its last consumers (no ``Tensor.record_stream``: FSDP2's memory trouble in
+pytorch#147168). Three implementations:
+
+- :class:`CPURuntime` (here): one stream, every operation done when issued; today's behaviour.
+- :class:`~.cuda.CudaRuntime`: real ``torch.cuda`` streams and events (FSDP2's layout: copy-in,
+  all-gather, reduce-scatter and all-reduce streams beside the compute stream).
+- :class:`~functional_fsdp.testing.streams.StreamSimulator`: runs on the CPU but keeps a vector
+  clock per stream and fails on a read before its producer's event, a write while another
+  stream may still use the buffer, or a free before the last consumer's event: a race detector
+  for stream semantics, as the simulated world is for collectives.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["ROLES", "CPURuntime", "DeviceRuntime", "Event", "Stream"]
+
+#: The side streams the engine uses, by role (FSDP2's: all-gather copy-in, all-gather,
+#: reduce-scatter, HSDP all-reduce).
+ROLES = ("copy_in", "all_gather", "reduce_scatter", "all_reduce")
+
+
+class Stream:
+    """A stream handle: ``name`` for messages, ``native`` the backend's stream (or ``None``)."""
+
+    __slots__ = ("index", "name", "native")
+
+    def __init__(self, name: str, index: int, native: Any = None) -> None:
+        self.name = name
+        self.index = index
+        self.native = native
+
+    def __repr__(self) -> str:
+        return f"Stream({self.name})"
+
+
+class Event:
+    """An event handle: ``native`` the backend's event; ``clock`` the simulator's snapshot."""
+
+    __slots__ = ("clock", "native", "stream")
+
+    def __init__(self, stream: Stream, native: Any = None, clock: Any = None) -> None:
+        self.stream = stream
+        self.native = native
+        self.clock = clock
+
+
+class DeviceRuntime(Protocol):
+    """What the engine needs of a device (see the module docstring)."""
+
+    name: str
+
+    @property
+    def compute(self) -> Stream:
+        """The stream forward and backward run on."""
+        ...
+
+    def side_stream(self, role: str) -> Stream:
+        """The stream of one of :data:`ROLES`."""
+        ...
+
+    def use(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
+        """Issue the enclosed operations on ``stream``."""
+        ...
+
+    def wait_stream(self, waiter: Stream, producer: Stream) -> None:
+        """Later work on ``waiter`` runs after everything issued on ``producer`` so far."""
+        ...
+
+    def record(self, stream: Stream) -> Event:
+        """An event marking everything issued on ``stream`` so far."""
+        ...
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """Later work on ``stream`` runs after ``event``."""
+        ...
+
+    def host_wait(self, event: Event) -> None:
+        """The host blocks until ``event`` completes."""
+        ...
+
+    def access(
+        self,
+        stream: Stream,
+        what: str,
+        *,
+        reads: Sequence[torch.Tensor] = (),
+        writes: Sequence[torch.Tensor] = (),
+    ) -> None:
+        """Annotate an operation ``what`` on ``stream`` reading / writing these buffers."""
+        ...
+
+    def allocated(self, stream: Stream, tensor: torch.Tensor) -> None:
+        """``tensor``'s storage was (re)allocated for use on ``stream``."""
+        ...
+
+    def free_after(self, tensor: torch.Tensor, events: Sequence[Event]) -> None:
+        """Free ``tensor``'s storage (``resize_(0)``) once ``events`` have completed."""
+        ...
+
+
+class CPURuntime:
+    """One stream; every operation is complete when it returns (today's CPU behaviour)."""
+
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._compute = Stream("compute", 0)
+
+    @property
+    def compute(self) -> Stream:
+        """The only stream."""
+        return self._compute
+
+    def side_stream(self, role: str) -> Stream:
+        """The only stream (there are no side streams on the CPU)."""
+        return self._compute
+
+    @contextlib.contextmanager
+    def use(self, stream: Stream) -> Iterator[None]:
+        """Nothing to switch."""
+        yield
+
+    def wait_stream(self, waiter: Stream, producer: Stream) -> None:
+        """Nothing to order: operations complete when issued."""
+
+    def record(self, stream: Stream) -> Event:
+        """A completed event."""
+        return Event(stream)
+
+    def wait_event(self, stream: Stream, event: Event) -> None:
+        """Nothing to wait for."""
+
+    def host_wait(self, event: Event) -> None:
+        """Nothing to wait for."""
+
+    def access(
+        self,
+        stream: Stream,
+        what: str,
+        *,
+        reads: Sequence[torch.Tensor] = (),
+        writes: Sequence[torch.Tensor] = (),
+    ) -> None:
+        """No checks on the CPU."""
+
+    def allocated(self, stream: Stream, tensor: torch.Tensor) -> None:
+        """Nothing to track."""
+
+    def free_after(self, tensor: torch.Tensor, events: Sequence[Event]) -> None:
+        """Free now: every event is complete."""
+        tensor.untyped_storage().resize_(0)
