@@ -14,16 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from functional_fsdp.core import layout as L
-from functional_fsdp.core.codec import (
-    SubclassCodec,
-    begin_codec_unshard,
-    codec_unshard,
-    gather_bytes,
-    with_codec_inputs,
-)
+from functional_fsdp.core.codec import SubclassCodec, gather_bytes, wire, with_codec_inputs
 from functional_fsdp.core.errors import GatherCodecError
 from functional_fsdp.core.records import GatherInputSpec, GroupLayout, ParamSpec
-from functional_fsdp.core.transitions import shard_tensors
+from functional_fsdp.core.transitions import begin_unshard, finish_unshard, shard_tensors, unshard
 from functional_fsdp.extensions import Int8RowwiseWeight
 from functional_fsdp.testing import SimulatedWorld
 from functional_fsdp.testing import strategies as fst
@@ -78,7 +72,7 @@ def _run(fulls: list[torch.Tensor], coded: list[bool], ws: int, pdt: torch.dtype
             SubclassCodec(s.fqn, _Mesh(ws), s.shape, wrap=Int8RowwiseWeight) if c else None
             for s, c in zip(specs, coded)
         ]
-        return codec_unshard(state, comm, codecs)
+        return unshard(state, comm, codecs=codecs)
 
     return SimulatedWorld(ws).run(body)
 
@@ -172,7 +166,7 @@ def test_bad_pre_hook_raises_before_the_collective(mode: str, match: str) -> Non
 
         codec = SubclassCodec("w", _Mesh(2), spec.shape, wrap=wrap)
         with pytest.raises(GatherCodecError, match=match):
-            begin_codec_unshard(state, comm, [codec], async_op=False)
+            begin_unshard(state, comm, codecs=[codec], async_op=False)
         assert torch.equal(state.flat, flat)  # state unchanged
         return True
 
@@ -194,4 +188,95 @@ def test_bad_post_hook_is_named(mode: str) -> None:
     world = SimulatedWorld(1)
     codec = SubclassCodec("w", _Mesh(1), spec.shape, wrap=wrap)
     with pytest.raises(GatherCodecError, match="fsdp_post_all_gather"):
-        world.run(lambda c: codec_unshard(state, c, [codec]))
+        world.run(lambda c: unshard(state, c, codecs=[codec]))
+
+
+class _ViewCodec:
+    """A codec whose decode returns its gathered output itself (as torchao's float8 wraps it):
+    the full tensor is a view of the decode buffer, at that input's offset there."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def encode(self, shard: torch.Tensor) -> Any:
+        padded = shard.new_zeros((self.rows, *shard.shape[1:]))
+        padded[: shard.shape[0]].copy_(shard)
+        return (padded,), None
+
+    def decode(self, outputs: tuple, metadata: Any, param_dtype: torch.dtype, *, out: Any) -> Any:
+        del metadata, param_dtype
+        return None if out is not None else (outputs[0], (outputs[0],))
+
+
+def _mixed_group(ws: int, seed: int) -> tuple[list[torch.Tensor], GroupLayout, list[str]]:
+    """int8 weight, view-decoded param, plain param, view-decoded param (uneven on dim 0)."""
+    g = torch.Generator().manual_seed(seed)
+    fulls = [
+        torch.randn(2 * ws, 3, generator=g),
+        torch.randn(ws + 1, 2, generator=g),
+        torch.randn(5, generator=g),
+        torch.randn(3, 4, generator=g),
+    ]
+    kinds = ["int8", "view", "plain", "view"]
+    specs = [ParamSpec(f"p{i}", tuple(t.shape), t.dtype) for i, t in enumerate(fulls)]
+    lay = _layout(specs, ws, None)
+    inputs: list[GatherInputSpec | None] = []
+    for i, k in enumerate(kinds):
+        shard = lay.shard_shapes[i]
+        if k == "int8":
+            inputs.append(_int8_inputs(specs[i].shape, ws))
+        elif k == "view":
+            inputs.append(GatherInputSpec((shard,), (torch.float32,)))
+        else:
+            inputs.append(None)
+    return fulls, with_codec_inputs(lay, inputs), kinds
+
+
+def _codecs(lay: GroupLayout, kinds: list[str], ws: int) -> list[Any]:
+    return [
+        SubclassCodec(s.fqn, _Mesh(ws), s.shape, wrap=Int8RowwiseWeight)
+        if k == "int8"
+        else (_ViewCodec(lay.shard_shapes[i][0]) if k == "view" else None)
+        for i, (s, k) in enumerate(zip(lay.specs, kinds))
+    ]
+
+
+@pytest.mark.parametrize("ws", [1, 2, 3])
+def test_decoded_views_start_at_their_inputs_and_refresh_in_place(ws: int) -> None:
+    """Several codec parameters in one group: a decode that returns (a view of) its gathered
+    output is read at that output's place in the buffer, not at the buffer's start; a second
+    gather into the same buffer with ``out=`` refreshes the same tensors (the shell's reuse)."""
+    fulls, lay, kinds = _mixed_group(ws, 0)
+    edited = [t * 2 + 1 for t in fulls]
+    pack, dtype = wire(lay)
+
+    def body(comm: Any) -> Any:
+        codecs = _codecs(lay, kinds, ws)
+        buf = torch.empty(ws * pack.total, dtype=dtype)
+        once = begin_unshard(shard_tensors(fulls, lay, comm.rank), comm, codecs=codecs, into=buf)
+        first = finish_unshard(once, into=buf)
+        got_first = [t.clone() for t in first.params]
+        again = begin_unshard(shard_tensors(edited, lay, comm.rank), comm, codecs=codecs, into=buf)
+        second = finish_unshard(again, into=buf, out=first.params)
+        return got_first, first.params, second.params
+
+    for got_first, first, second in SimulatedWorld(ws).run(body):
+        assert all(a is b for a, b in zip(first, second))
+        for got, want in ((got_first, fulls), (second, edited)):
+            assert torch.equal(got[0], _oracle(want[0], ws, torch.float32))
+            for i in (1, 2, 3):
+                assert torch.equal(got[i], want[i]), i
+
+
+def test_codecs_need_a_layout_that_knows_them() -> None:
+    spec = ParamSpec("w", (4, 3), torch.float32)
+    plain = _layout([spec], 1, None)
+    state = shard_tensors([torch.randn(4, 3)], plain, 0)
+    codec = SubclassCodec("w", _Mesh(1), spec.shape, wrap=Int8RowwiseWeight)
+    with pytest.raises(GatherCodecError, match="with_codec_inputs"):
+        SimulatedWorld(1).run(lambda c: unshard(state, c, codecs=[codec]))
+    # Identity codecs spelled out are the plain path.
+    spelled = SimulatedWorld(1).run(lambda c: unshard(state, c, codecs=[None]))[0]
+    assert torch.equal(
+        spelled.params[0], SimulatedWorld(1).run(lambda c: unshard(state, c))[0].params[0]
+    )

@@ -34,13 +34,15 @@ def _train(impl: str, float8: bool) -> dict[str, Any]:
         torch.nn.Linear(128, 64),
         torch.nn.ReLU(),
         torch.nn.Linear(64, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 32),
     )
     if float8:
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
         convert_to_float8_training(model, config=config)
     fully_shard(model[0])
     fully_shard(model[2])
-    fully_shard(model)
+    fully_shard(model)  # the root holds two float8 weights: the second decodes mid-buffer
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(4):

@@ -1,23 +1,33 @@
-"""All-gather codecs: a parameter encoded before the all-gather and decoded after (pure).
+"""All-gather codecs: how each parameter is encoded for the all-gather and decoded after (pure).
 
-FSDP2's tensor-subclass extension protocol, as a part of the layout. A parameter whose local
-tensor defines ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy) ->
-(inputs, metadata)`` and ``fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)``
+Every unshard goes through one path, :func:`~functional_fsdp.core.transitions.begin_unshard` /
+:func:`~functional_fsdp.core.transitions.finish_unshard`, and every parameter has a codec there.
+A plain parameter's is the *identity* (written ``None``): it sends its padded shard in its
+gather dtype and its full tensor is a view of the gathered rows. A group whose codecs are all
+the identity is encoded and decoded as a whole (the sharded buffer itself is the all-gather
+input, the full parameters are views of one buffer). This module holds the other codecs and
+the layout they need.
+
+FSDP2's tensor-subclass extension protocol is the codec of a parameter whose local tensor
+defines ``fsdp_pre_all_gather(mesh, outer_size, outer_stride, module, mp_policy) -> (inputs,
+metadata)`` and ``fsdp_post_all_gather(outputs, metadata, param_dtype, *, out=None)``: it
 sends its ``inputs`` (any number, any dtypes: e.g. int8 data and fp32 scales) instead of its
 padded shard, and is rebuilt from the gathered outputs by the post hook.
 
 * :func:`with_codec_inputs` teaches a :class:`~functional_fsdp.core.records.GroupLayout` the
   per-parameter input shapes and dtypes (:class:`~functional_fsdp.core.records.GatherInputSpec`);
-  the packed all-gather buffer then holds every parameter's inputs (``layout.encoded``; plain
-  parameters send their padded shard in the gather dtype), bytes when dtypes mix.
-* :func:`begin_codec_unshard` encodes (checking each rank's inputs against the layout before
-  any collective), packs and issues one all-gather; :func:`finish_codec_unshard` splits the
-  output per input (``t.view(-1, *shape[1:])``, rank-major as FSDP2) and decodes.
+  the packed all-gather buffer then holds every parameter's inputs (``layout.encoded``; identity
+  parameters send their padded shard in the gather dtype), bytes when dtypes mix. :func:`wire`
+  is the packing a group's all-gather uses either way.
+* :func:`encode_group` encodes (checking each rank's inputs against the layout before any
+  collective) and packs; after the all-gather lands in a buffer laid out per input
+  (:func:`~functional_fsdp.core.transitions.copy_out`, rank-major as FSDP2),
+  :func:`decode_group` decodes each parameter from views of its inputs there.
 
 A codec is any object with ``encode(shard) -> (inputs, metadata)`` and
 ``decode(outputs, metadata, param_dtype, *, out=None)`` (:class:`GatherCodec`);
-:class:`SubclassCodec` calls a subclass's hooks exactly as FSDP2 does. Codec groups use the
-packed path and dim-0 sharding only. Nothing here imports ``torch.distributed``.
+:class:`SubclassCodec` calls a subclass's hooks exactly as FSDP2 does. Codec groups shard on
+dim 0 only. Nothing here imports ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -30,23 +40,20 @@ import attrs
 import torch
 
 from . import layout as L
-from .comm import Communicator, Work, check_comm, collective_or_copy
 from .errors import GatherCodecError
-from .records import GatherInputSpec, GroupLayout, ShardedState, UnshardedState
+from .records import GatherInputSpec, GroupLayout, ShardedState
 
 __all__ = [
     "GatherCodec",
-    "PendingCodecUnshard",
     "SubclassCodec",
-    "begin_codec_unshard",
-    "codec_unshard",
-    "decode_outputs",
+    "decode_group",
     "describe_inputs",
+    "encode_group",
     "encode_inputs",
-    "finish_codec_unshard",
     "gather_bytes",
     "has_hooks",
-    "split_outputs",
+    "pack_encoded",
+    "wire",
     "with_codec_inputs",
 ]
 
@@ -220,11 +227,22 @@ def _buffer_dtype(layout: GroupLayout) -> torch.dtype:
     return dts[0] if (dts and layout.encoded.uniform) else torch.uint8
 
 
+def wire(layout: GroupLayout) -> tuple[L.PackLayout, torch.dtype]:
+    """The packing of one rank's all-gather input and the dtype of its buffers.
+
+    ``layout.gather`` when every codec is the identity; ``layout.encoded`` (a region per
+    input) with codecs. The all-gather output is ``world_size`` such rows, and the buffer the
+    parameters are decoded from holds the same regions, each ``world_size`` times longer.
+    """
+    if layout.encoded is None:
+        return layout.gather, layout.gather_buffer_dtype
+    return layout.encoded, _buffer_dtype(layout)
+
+
 def gather_bytes(layout: GroupLayout) -> int:
     """Bytes one rank sends in the group's all-gather (its packed inputs)."""
-    if layout.encoded is None:
-        return layout.gather.total * layout.gather_buffer_dtype.itemsize
-    return layout.encoded.total * _buffer_dtype(layout).itemsize
+    pack, dtype = wire(layout)
+    return pack.total * dtype.itemsize
 
 
 def describe_inputs(fqn: str, codec: GatherCodec, shard: torch.Tensor) -> GatherInputSpec:
@@ -323,103 +341,74 @@ def pack_encoded(layout: GroupLayout, inputs: Sequence[Sequence[torch.Tensor]]) 
     return out
 
 
-@attrs.frozen(eq=False)
-class PendingCodecUnshard:
-    """A handle (not a record) for a codec all-gather in flight: the padded rank-major
-    ``output``, the ``work``, and each parameter's metadata from its pre hook."""
+def encode_group(
+    state: ShardedState, codecs: Sequence[GatherCodec | None]
+) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """This rank's all-gather input (packed by ``layout.encoded``) and each parameter's metadata.
 
-    layout: GroupLayout
-    rank: int
-    output: torch.Tensor
-    work: Work
-    metadata: tuple[Any, ...]
-    source: ShardedState
-
-
-def begin_codec_unshard(
-    state: ShardedState,
-    comm: Communicator,
-    codecs: Sequence[GatherCodec | None],
-    *,
-    async_op: bool = True,
-) -> PendingCodecUnshard:
-    """Encode (checked before any collective), pack, and issue the group's one all-gather."""
-    lay = state.layout
-    check_comm(comm, lay.world_size, "unshard")
+    Raises:
+        GatherCodecError: a hook raised or returned inputs that do not match the layout
+            (before any collective).
+    """
     inputs, metas = encode_inputs(state, codecs)
-    inp = pack_encoded(lay, inputs)
-    out = torch.empty(lay.world_size * inp.numel(), dtype=inp.dtype, device=inp.device)
-    work = collective_or_copy(
-        lay.world_size, out, inp, lambda: comm.all_gather(out, inp, async_op=async_op)
-    )
-    return PendingCodecUnshard(lay, state.rank, out, work, metas, state)
+    return pack_encoded(state.layout, inputs), metas
 
 
-def split_outputs(
-    layout: GroupLayout,
-    output: torch.Tensor,
-    outs: Sequence[Sequence[torch.Tensor]] | None = None,
-) -> list[tuple[torch.Tensor, ...]]:
-    """Per parameter, its gathered inputs: 1-D tensors of ``ws * numel`` (FSDP2's
-    ``all_gather_outputs``), copied out of the rank-major ``output`` (into ``outs`` if given)."""
+def _gathered(layout: GroupLayout, buf: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Input ``k`` of every rank (1-D, ``world_size * numel``: FSDP2's all-gather output), a
+    view of the decode buffer ``buf``."""
     pack, ws = layout.encoded, layout.world_size
     assert pack is not None
-    rows = output.view(ws, pack.total)
-    result: list[tuple[torch.Tensor, ...]] = []
-    k = 0
-    for i in range(len(layout)):
-        spec = _input_specs(layout, i)
-        mine = []
-        for j, dtype in enumerate(spec.dtypes):
-            dst = (
-                outs[i][j]
-                if outs is not None
-                else torch.empty(ws * pack.numels[k], dtype=dtype, device=output.device)
-            )
-            src = rows.narrow(1, pack.offsets[k], pack.sizes[k])
-            if not pack.uniform:
-                dst.view(torch.uint8).view(ws, -1).copy_(src)
-            else:
-                dst.view(ws, -1).copy_(src)
-            mine.append(dst)
-            k += 1
-        result.append(tuple(mine))
-    return result
+    r = buf.narrow(0, ws * pack.offsets[k], ws * pack.sizes[k])
+    return r if pack.uniform else r.view(dtype)
 
 
-def decode_outputs(
+def decode_group(
     layout: GroupLayout,
-    outputs: Sequence[Sequence[torch.Tensor]],
+    buf: torch.Tensor,
     codecs: Sequence[GatherCodec | None],
     metadata: Sequence[Any],
     *,
-    out: Sequence[torch.Tensor | None] | None = None,
-) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
-    """Each parameter's full tensor (and the inner tensors holding its storage).
+    out: Sequence[torch.Tensor] | None = None,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Each parameter's full tensor, decoded from ``buf`` (the copied-out all-gather, laid out
+    per input: :func:`~functional_fsdp.core.transitions.copy_out`), and the inner tensors the
+    codecs' ``decode`` made (where their storage lives, as FSDP2's ``inner_tensors``).
 
-    Plain parameters view their gathered shard rows (padding stripped). Codec parameters call
-    ``decode`` with the outputs viewed as ``(-1, *input_shape[1:])`` and ``layout``'s gather
-    dtype; with ``out[i]`` given, the codec writes into it (FSDP2's reuse) and it is returned.
-    The result is viewed at the parameter's size with contiguous strides (FSDP2's
-    ``as_strided``).
+    Identity parameters view their gathered shard rows (padding stripped). Codec parameters
+    call ``decode`` with their inputs viewed as ``(-1, *input_shape[1:])`` and ``layout``'s
+    gather dtype; the result is viewed at the parameter's size with contiguous strides
+    (FSDP2's ``as_strided``). With ``out`` (the full tensors an earlier decode of this buffer
+    returned), codecs decode into ``out[i]`` (FSDP2's ``out=``), identity parameters are
+    already there, and ``out`` is returned with no inner tensors.
     """
-    result: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []
+    assert layout.codec_inputs is not None
+    ws = layout.world_size
+    params: list[torch.Tensor] = []
+    inner: list[torch.Tensor] = []
+    k = 0
     for i, spec in enumerate(layout.specs):
         ins = _input_specs(layout, i)
-        ws = layout.world_size
-        views = tuple(t.view(ws * s[0], *s[1:]) for t, s in zip(outputs[i], ins.shapes))
+        gathered = [_gathered(layout, buf, k + j, d) for j, d in enumerate(ins.dtypes)]
+        k += len(ins.dtypes)
         codec = codecs[i]
-        if layout.codec_inputs is None or layout.codec_inputs[i] is None or codec is None:
-            full = views[0].view(layout.padded_full_shape(i)).narrow(0, 0, spec.shape[0])
-            result.append((full, (outputs[i][0],)))
+        if layout.codec_inputs[i] is None or codec is None:
+            params.append(
+                out[i]
+                if out is not None
+                else gathered[0].view(layout.padded_full_shape(i)).narrow(0, 0, spec.shape[0])
+            )
             continue
+        views = tuple(t.view(ws * s[0], *s[1:]) for t, s in zip(gathered, ins.shapes))
         target = out[i] if out is not None else None
         res = _call_decode(codec, spec.fqn, views, metadata[i], layout.gather_dtypes[i], target)
         if target is not None:
-            result.append((target, ()))
+            params.append(target)
             continue
-        result.append(_as_param(layout, i, res))
-    return result
+        full, ts = _as_param(layout, i, res)
+        params.append(full)
+        inner.extend(ts)
+    return tuple(params), tuple(inner)
 
 
 def _call_decode(
@@ -457,22 +446,7 @@ def _as_param(
             f"{tensor.numel()} elements; expected {layout.gather_dtypes[i]} with at least "
             f"{spec.numel} (the unsharded parameter {spec.shape})"
         )
-    full = torch.as_strided(tensor, spec.shape, _contiguous(spec.shape), 0)
+    # FSDP2 starts at offset 0 of an all-gather output of its own; here the outputs are views
+    # of one buffer, so a tensor the hook built on one starts at its own offset.
+    full = torch.as_strided(tensor, spec.shape, _contiguous(spec.shape), tensor.storage_offset())
     return full, tuple(inner)
-
-
-def finish_codec_unshard(
-    pending: PendingCodecUnshard, codecs: Sequence[GatherCodec | None]
-) -> UnshardedState:
-    """Wait, split the output per input and decode: the group's :class:`UnshardedState`."""
-    pending.work.wait()
-    outputs = split_outputs(pending.layout, pending.output)
-    fulls = decode_outputs(pending.layout, outputs, codecs, pending.metadata)
-    return UnshardedState(pending.layout, pending.rank, tuple(f for f, _ in fulls), pending.source)
-
-
-def codec_unshard(
-    state: ShardedState, comm: Communicator, codecs: Sequence[GatherCodec | None]
-) -> UnshardedState:
-    """:func:`begin_codec_unshard` then :func:`finish_codec_unshard` (synchronous)."""
-    return finish_codec_unshard(begin_codec_unshard(state, comm, codecs, async_op=False), codecs)

@@ -5,6 +5,10 @@ and returns new records; inputs are never mutated. The lower-level steps (``pack
 ``begin_unshard``/``finish_unshard``, ``pack_grads``/``finish_reduce``) are public too, so a
 custom trainer (or the shell) can overlap communication with compute.
 
+There is one unshard path: every parameter has an all-gather codec (:mod:`.codec`), the
+identity for a plain one, and ``begin_unshard`` encodes, issues the one all-gather (or copies,
+at world size 1: :func:`~.comm.collective_or_copy`), ``finish_unshard`` copies out and decodes.
+
 State diagram (per group)::
 
     ShardedState --unshard--> UnshardedState --reshard()--> ShardedState
@@ -17,12 +21,13 @@ State diagram (per group)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import attrs
 import optree
 import torch
 
+from . import codec as C
 from . import layout as L
 from .comm import (
     Communicator,
@@ -52,6 +57,7 @@ from .reduction import (
 
 __all__ = [
     "PendingReduce",
+    "Landed",
     "PendingUnshard",
     "accumulate_local_grads",
     "begin_reduce",
@@ -59,8 +65,8 @@ __all__ = [
     "copy_out",
     "finish_reduce",
     "finish_unshard",
-    "full_from_gather",
     "full_views",
+    "land_unshard",
     "pack_for_gather",
     "pack_grads",
     "pack_locals",
@@ -215,8 +221,10 @@ class PendingUnshard:
     the collective until ``work.wait()``.
 
     ``output`` is the padded rank-major all-gather output, or ``None`` when the pieces were
-    gathered straight into ``into`` (no copy-out needed). ``into`` is where the full parameters
-    will live either way (on the packed path :func:`finish_unshard` copies out into it).
+    gathered straight into ``into`` (no copy-out needed). ``into`` is where the gathered
+    inputs will be laid out per parameter either way (on the packed path :func:`finish_unshard`
+    copies out into it). ``codecs`` and ``metadata`` are what the encode step used and
+    returned (``None``: every codec is the identity).
     """
 
     layout: GroupLayout
@@ -225,49 +233,94 @@ class PendingUnshard:
     work: Work
     source: ShardedState | None
     into: torch.Tensor | None = None
+    codecs: tuple[C.GatherCodec | None, ...] | None = None
+    metadata: tuple[Any, ...] | None = None
+
+
+class Landed(NamedTuple):
+    """What :func:`land_unshard` returns: the full parameters, the buffer they were decoded
+    from (identity parameters view it), and the inner tensors codecs' decodes made outside it."""
+
+    params: tuple[torch.Tensor, ...]
+    buffer: torch.Tensor
+    inner: tuple[torch.Tensor, ...]
 
 
 def _uniform_dim0(layout: GroupLayout) -> bool:
     return layout.gather.uniform and all(d == 0 for d in layout.shard_dims)
 
 
-def begin_unshard(
+def _gather_input(
     state: ShardedState | PostForwardState,
     comm: Communicator,
-    *,
-    async_op: bool = True,
-    into: torch.Tensor | None = None,
-) -> PendingUnshard:
-    """Issue the group's one all-gather (over the sub-group for a :class:`PostForwardState`).
-
-    Args:
-        state: what to gather.
-        comm: the shard group (or the sub-group of a :class:`PostForwardState`).
-        async_op: return before the collective completes.
-        into: the buffer the full parameters will live in (``world_size * gather.total``
-            elements). With a communicator that ``supports_pieces``, a sharded state of a uniform
-            dim-0 group is gathered straight into it, parameter by parameter (no copy-out).
-    """
+    codecs: Sequence[C.GatherCodec | None] | None,
+) -> tuple[torch.Tensor, tuple[Any, ...] | None]:
+    """Check ``state`` against ``comm`` and encode this rank's all-gather input (before any
+    collective): the packed shards (identity codecs), the packed encoded inputs (codecs), or
+    the rows a :class:`PostForwardState` kept."""
     lay = state.layout
-    if lay.codec_inputs is not None:
-        raise GatherCodecError("this layout has all-gather codecs: use codec.begin_codec_unshard")
     if isinstance(state, ShardedState):
         check_comm(comm, lay.world_size, "unshard")
-        inp, source = pack_for_gather(state), state
-    elif isinstance(state, PostForwardState):
+        if lay.codec_inputs is not None:
+            return C.encode_group(state, codecs if codecs is not None else [None] * len(lay))
+        if codecs is not None and any(c is not None for c in codecs):
+            raise GatherCodecError(
+                "unshard: codecs given for a layout without codec inputs; teach the layout "
+                "with codec.with_codec_inputs first"
+            )
+        return pack_for_gather(state), None
+    if isinstance(state, PostForwardState):
+        if lay.codec_inputs is not None:
+            raise GatherCodecError(
+                "unshard: a PostForwardState of a layout with all-gather codecs (the rows hold "
+                "no encoded inputs); reshard such groups fully"
+            )
         check_comm(comm, state.group_size, "unshard of a PostForwardState (its sub-group)")
         if comm.rank != state.sub_rank:
             raise MeshError(
                 f"unshard: sub-group communicator rank {comm.rank} != state sub-rank {state.sub_rank}"
             )
-        inp, source = state.rows, state.source
-    else:
-        raise StateError(
-            f"unshard expects a ShardedState or PostForwardState, got {type(state).__name__}; "
-            "an UnshardedState is already unsharded"
-        )
+        return state.rows, None
+    raise StateError(
+        f"unshard expects a ShardedState or PostForwardState, got {type(state).__name__}; "
+        "an UnshardedState is already unsharded"
+    )
+
+
+def begin_unshard(
+    state: ShardedState | PostForwardState,
+    comm: Communicator,
+    *,
+    codecs: Sequence[C.GatherCodec | None] | None = None,
+    async_op: bool = True,
+    into: torch.Tensor | None = None,
+) -> PendingUnshard:
+    """Encode and issue the group's one all-gather (over the sub-group for a
+    :class:`PostForwardState`).
+
+    Args:
+        state: what to gather.
+        comm: the shard group (or the sub-group of a :class:`PostForwardState`).
+        codecs: per parameter, its all-gather codec (:mod:`~functional_fsdp.core.codec`);
+            ``None`` (for a parameter, or all of them) is the identity. A layout with codec
+            inputs (``codec.with_codec_inputs``) needs its codecs here.
+        async_op: return before the collective completes.
+        into: the buffer the gathered inputs will be laid out in (``world_size`` times the
+            :func:`~functional_fsdp.core.codec.wire` packing). With a communicator that
+            ``supports_pieces``, a sharded state of a uniform dim-0 group of identity codecs
+            is gathered straight into it, parameter by parameter (no copy-out).
+
+    Raises:
+        GatherCodecError: a codec's encode failed or disagrees with the layout (no collective
+            was issued).
+    """
+    lay = state.layout
+    inp, metadata = _gather_input(state, comm, codecs)
+    source = state if isinstance(state, ShardedState) else state.source
+    kept = None if codecs is None else tuple(codecs)
     if (
         into is not None
+        and metadata is None
         and isinstance(state, ShardedState)
         and lay.world_size > 1
         and _uniform_dim0(lay)
@@ -281,68 +334,99 @@ def begin_unshard(
         recvs = [[reg[r] for reg in regions] for r in range(ws)]
         pcomm = cast(PiecesCommunicator, comm)
         pieces = pcomm.all_gather_pieces(recvs, sends, async_op=async_op)
-        return PendingUnshard(lay, state.rank, None, pieces, source, into)
-    out = torch.empty(
-        lay.world_size * lay.gather.total, dtype=lay.gather_buffer_dtype, device=inp.device
-    )
-    work = collective_or_copy(
-        lay.world_size, out, inp, lambda: comm.all_gather(out, inp, async_op=async_op)
-    )
-    return PendingUnshard(lay, state.rank, out, work, source, into)
+        return PendingUnshard(lay, state.rank, None, pieces, source, into, kept)
+    # world_size rows of the wire packing (a PostForwardState's sub-group sends several rows).
+    ranks = comm.world_size
+    out = torch.empty(ranks * inp.numel(), dtype=inp.dtype, device=inp.device)
+    work = collective_or_copy(ranks, out, inp, lambda: comm.all_gather(out, inp, async_op=async_op))
+    return PendingUnshard(lay, state.rank, out, work, source, into, kept, metadata)
 
 
-def finish_unshard(pending: PendingUnshard, *, into: torch.Tensor | None = None) -> UnshardedState:
-    """Wait for the all-gather and copy out the full parameters (padding stripped).
+def land_unshard(
+    pending: PendingUnshard,
+    *,
+    into: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> Landed:
+    """:func:`finish_unshard` without the record: wait, copy out, decode.
 
-    Args:
-        pending: from :func:`begin_unshard`.
-        into: optional buffer (``world_size * gather.total`` elements) to copy into; the shell
-            passes its persistent unsharded buffer so views saved by autograd stay valid.
+    For a caller that keeps its own unsharded copy across gathers (the shell's persistent
+    buffer): with ``out``, the full parameters an earlier landing into the same ``into``
+    returned, nothing is rebuilt: identity parameters already view ``into``, codecs decode
+    into ``out`` (FSDP2's ``out=``), and ``out`` is returned.
     """
     pending.work.wait()
-    if pending.output is None:
+    lay = pending.layout
+    buf = _landing_buffer(pending, into)
+    if pending.metadata is None:  # every codec is the identity: views of the buffer
+        return Landed(out if out is not None else full_views(lay, buf), buf, ())
+    codecs = pending.codecs if pending.codecs is not None else (None,) * len(lay)
+    params, inner = C.decode_group(lay, buf, codecs, pending.metadata, out=out)
+    return Landed(params, buf, inner)
+
+
+def _landing_buffer(pending: PendingUnshard, into: torch.Tensor | None) -> torch.Tensor:
+    """The buffer the gathered inputs lie in per parameter (copied out of the rank-major
+    output unless the pieces landed there, or at world size 1 with no buffer asked for)."""
+    lay = pending.layout
+    if pending.output is None:  # the pieces landed in pending.into
         buf = pending.into
         assert buf is not None
         if into is not None and into is not buf:
             into.copy_(buf)
-            buf = into
-        return UnshardedState(
-            pending.layout, pending.rank, full_views(pending.layout, buf), pending.source, buf
-        )
+            return into
+        return buf
     target = into if into is not None else pending.into
-    params, buffer = full_from_gather(pending.layout, pending.output, into=target)
-    return UnshardedState(pending.layout, pending.rank, params, pending.source, buffer)
+    if target is None and lay.world_size == 1 and all(d == 0 for d in lay.shard_dims):
+        return pending.output  # one rank's row is already laid out per parameter
+    buf = target if target is not None else torch.empty_like(pending.output)
+    copy_out(lay, pending.output, buf)
+    return buf
 
 
-def full_from_gather(
-    layout: GroupLayout, output: torch.Tensor, *, into: torch.Tensor | None = None
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Copy-out: view the all-gather output as ``(ws, N)``, split columns per parameter.
+def finish_unshard(
+    pending: PendingUnshard,
+    *,
+    into: torch.Tensor | None = None,
+    out: tuple[torch.Tensor, ...] | None = None,
+) -> UnshardedState:
+    """Wait for the all-gather, copy out and decode the full parameters (padding stripped).
 
-    Returns the full (unpadded) parameters, as views into one contiguous buffer, and the buffer.
-    With ``world_size == 1`` and no ``into`` the output itself is the buffer (no copy).
+    Args:
+        pending: from :func:`begin_unshard`.
+        into: optional buffer (see :func:`begin_unshard`) to copy into; the shell passes its
+            persistent unsharded buffer so views saved by autograd stay valid.
+        out: the full parameters of an earlier gather into the same ``into``, refreshed in
+            place (see :func:`land_unshard`).
+
+    Raises:
+        GatherCodecError: a codec's decode failed or returned the wrong thing.
     """
-    if layout.world_size == 1 and into is None and all(d == 0 for d in layout.shard_dims):
-        buf = output
-    else:
-        buf = into if into is not None else torch.empty_like(output)
-        copy_out(layout, output, buf)
-    return full_views(layout, buf), buf
+    landed = land_unshard(pending, into=into, out=out)
+    buffer = landed.buffer if pending.metadata is None else None
+    return UnshardedState(pending.layout, pending.rank, landed.params, pending.source, buffer)
 
 
 def copy_out(layout: GroupLayout, output: torch.Tensor, buf: torch.Tensor) -> None:
-    """Copy a padded all-gather output into ``buf`` so each parameter is contiguous there.
+    """Copy a padded all-gather output into ``buf`` so each input is contiguous there (every
+    rank's shard of a parameter, for identity codecs).
 
-    One ``split_with_sizes_copy`` for uniform dim-0 groups; per-parameter copies otherwise.
+    One ``split_with_sizes_copy`` for uniform dim-0 groups; a copy per region otherwise (per
+    parameter for groups sharded on other dims; codec groups shard on dim 0).
     """
-    ws, pack = layout.world_size, layout.gather
+    ws = layout.world_size
+    pack, _ = C.wire(layout)
     rows = output.view(ws, pack.total)
-    if pack.uniform and all(d == 0 for d in layout.shard_dims):
-        outs = [buf.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)]
+    if not all(d == 0 for d in layout.shard_dims):
+        for i in range(len(layout)):
+            _copy_out_one(layout, rows, buf, i)
+        return
+    outs = [buf.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)]
+    if pack.uniform:
         torch.split_with_sizes_copy(rows, list(pack.sizes), dim=1, out=outs)
         return
-    for i in range(len(layout)):
-        _copy_out_one(layout, rows, buf, i)
+    for dst, o, n in zip(outs, pack.offsets, pack.sizes):
+        dst.copy_(rows.narrow(1, o, n))  # bytes: every region's dtype is copied exactly
 
 
 def full_views(layout: GroupLayout, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -385,11 +469,17 @@ def _copy_out_one(layout: GroupLayout, rows: torch.Tensor, buf: torch.Tensor, i:
         full.narrow(dim, r * chunk, chunk).copy_(src[r].view(layout.shard_shapes[i]))
 
 
-def unshard(state: ShardedState | PostForwardState, comm: Communicator) -> UnshardedState:
-    """All-gather a group's full parameters: pack (cast to ``param_dtype``), one all-gather,
-    unpack, strip padding. A :class:`PostForwardState` gathers over its sub-group ``comm``.
+def unshard(
+    state: ShardedState | PostForwardState,
+    comm: Communicator,
+    *,
+    codecs: Sequence[C.GatherCodec | None] | None = None,
+) -> UnshardedState:
+    """All-gather a group's full parameters: encode (pack, cast to ``param_dtype``; or each
+    parameter's codec), one all-gather, copy out, decode (strip padding). A
+    :class:`PostForwardState` gathers over its sub-group ``comm``.
     """
-    return finish_unshard(begin_unshard(state, comm, async_op=False))
+    return finish_unshard(begin_unshard(state, comm, codecs=codecs, async_op=False))
 
 
 # ------------------------------------------------------------------------------------- reshard

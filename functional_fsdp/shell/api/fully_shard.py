@@ -20,7 +20,7 @@ from ...core.transitions import shard_tensors
 from ..comm.process_group import ProcessGroupComm
 from ..comm.scoped import scoped
 from ..engine.autograd import explain_forward_ad_on_dtensor
-from ..engine.codec_slot import adopt_codecs, plain_data
+from ..engine.gather import adopt_codecs, plain_data
 from ..engine.group import ParamGroup, TrainingState, layout_for
 from ..io.reload import readopt_after_load
 from ..parallel.tensor_parallel import (

@@ -1,42 +1,75 @@
-"""The engine's one unsharded copy: a buffer, the all-gather in flight into it, its version.
+"""The engine's one unsharded copy: a buffer, the all-gather in flight into it, its version;
+and the codecs of tensor-subclass parameters, which every gather of their group runs.
 
 Every all-gather the shell issues goes through a :class:`GatherSlot`: a group's own shards into
 its persistent buffer (the module path, :class:`~.group.ParamGroup`), the tensors a caller passed
 to ``functional_call`` into a buffer per call (:class:`~.functional_path.GatherCall`), and the
 ``reshard_after_forward=k`` rows over the sub-group. Issuing, landing, freeing and abandoning a
-gather therefore exist once; callers differ only in the *source* they pass (a
-:class:`~functional_fsdp.core.records.ShardedState` or a
+gather therefore exist once, on the core's one unshard path
+(:func:`~functional_fsdp.core.transitions.begin_unshard` /
+:func:`~functional_fsdp.core.transitions.land_unshard`); callers differ only in the *source*
+they pass (a :class:`~functional_fsdp.core.records.ShardedState` or a
 :class:`~functional_fsdp.core.records.PostForwardState`) and the communicator.
 
 A slot is a handle, not a record: it owns live storage (resized to 0 when freed, so views
 autograd saved stay valid objects) and in-flight work. The *version* it remembers is the
 source's version when the gather was issued (:meth:`ParamGroup.sharded_version`); a caller
 compares it before reusing the data.
+
+Tensor subclasses with FSDP2's all-gather hooks (``fsdp_pre_all_gather`` /
+``fsdp_post_all_gather``): :func:`adopt_codecs` (called by ``fully_shard``) agrees on each such
+parameter's all-gather inputs across the shard group (a small object all-gather at
+``fully_shard`` time, so ranks whose hooks disagree fail together, by name), teaches the
+layout, puts the subclass back as each sharded ``DTensor``'s local tensor (a wrapper of a view
+of the packed shards, so the optimizer still writes the group's buffer) and gives the group a
+slot with its codecs. Such a slot's buffer holds the gathered inputs (FSDP2's
+``all_gather_outputs``, as views); the first gather keeps the post hooks' tensors, later ones
+call the post hooks with ``out=`` into them; freeing frees the buffer and their inner tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 import torch
+import torch.distributed as dist
 
+from ...core import codec as C
 from ...core import transitions as T
 from ...core.comm import Communicator
-from ...core.records import GroupLayout, PostForwardState, ShardedState
+from ...core.errors import GatherCodecError
+from ...core.records import GatherInputSpec, GroupLayout, PostForwardState, ShardedState
+from ..comm.custom import _abort_peers
 from .group_common import _preserve_version
 
-__all__ = ["GatherSlot"]
+__all__ = ["GatherSlot", "adopt_codecs", "plain_data"]
+
+
+def _nothing() -> None:
+    """The default ``abort`` of a slot: no peer to tell."""
 
 
 class GatherSlot:
     """One unsharded copy of a group's parameters (see the module docstring).
 
+    Args:
+        layout: the group layout.
+        device: where the buffer lives.
+        advise: called on every (re-)allocated buffer (huge-page advice).
+        codecs: per parameter, its all-gather codec (``None``: the identity), or ``None`` when
+            every codec is the identity.
+        abort: called before a codec's error propagates (tells the peers not to wait).
+
     Attributes:
-        layout: the group layout (the buffer holds ``world_size * gather.total`` elements).
+        layout: the group layout (the buffer holds ``world_size`` rows of its wire packing:
+            :func:`~functional_fsdp.core.codec.wire`).
         buffer: the unsharded buffer (``None`` until first allocated); its storage is freed,
             not the tensor, when the slot is freed.
-        views: the full (unpadded) parameters as views of ``buffer``.
+        views: the full (unpadded) parameters (views of ``buffer``, or the codecs' tensors);
+            empty until the first gather lands in a new buffer.
+        inner: the storage the codecs' decodes made outside ``buffer`` (freed with it).
         pending: the all-gather in flight (``None`` when none).
         live: whether ``buffer`` holds gathered data now.
         version: the source version the live data was gathered from.
@@ -44,9 +77,14 @@ class GatherSlot:
     """
 
     __slots__ = (
+        "_abort",
         "_advise",
+        "_dtype",
+        "_numel",
         "buffer",
+        "codecs",
         "device",
+        "inner",
         "layout",
         "live",
         "output",
@@ -57,13 +95,24 @@ class GatherSlot:
     )
 
     def __init__(
-        self, layout: GroupLayout, device: torch.device, advise: Callable[[torch.Tensor], Any]
+        self,
+        layout: GroupLayout,
+        device: torch.device,
+        advise: Callable[[torch.Tensor], Any],
+        *,
+        codecs: Sequence[C.GatherCodec | None] | None = None,
+        abort: Callable[[], None] = _nothing,
     ) -> None:
         self.layout = layout
         self.device = device
         self._advise = advise
+        self.codecs = None if codecs is None else tuple(codecs)
+        self._abort = abort
+        pack, self._dtype = C.wire(layout)
+        self._numel = layout.world_size * pack.total
         self.buffer: torch.Tensor | None = None
         self.views: tuple[torch.Tensor, ...] = ()
+        self.inner: tuple[torch.Tensor, ...] = ()
         self.pending: T.PendingUnshard | None = None
         self.live = False
         self.version = -1
@@ -71,18 +120,14 @@ class GatherSlot:
         self.output: torch.Tensor | None = None
 
     def alloc(self) -> torch.Tensor:
-        """The buffer with its storage allocated (made on first use, re-grown after a free)."""
-        lay = self.layout
+        """The buffer with its storage allocated (made on first use, re-grown after a free,
+        with the codecs' inner tensors)."""
         if self.buffer is None:
             # A normal tensor even when first made under inference_mode: later training
             # forwards save views of it for backward (and need its version counter).
             with torch.inference_mode(False):
-                self.buffer = torch.empty(
-                    lay.world_size * lay.gather.total,
-                    dtype=lay.gather_buffer_dtype,
-                    device=self.device,
-                )
-                self.views = T.full_views(lay, self.buffer)
+                self.buffer = torch.empty(self._numel, dtype=self._dtype, device=self.device)
+            self.views, self.inner = (), ()  # decoded from the new buffer by the next landing
             self._advise(self.buffer)
         else:
             storage = self.buffer.untyped_storage()
@@ -90,6 +135,10 @@ class GatherSlot:
             if storage.size() != nbytes:
                 storage.resize_(nbytes)
                 self._advise(self.buffer)
+            for t in self.inner:
+                n = t.numel() * t.element_size()
+                if t.untyped_storage().size() != n:
+                    t.untyped_storage().resize_(n)
         return self.buffer
 
     def start(
@@ -109,19 +158,35 @@ class GatherSlot:
             return
         self.pending_version = version
         into = self.alloc() if direct and isinstance(source, ShardedState) else None
-        with torch.no_grad(), _preserve_version(into):
-            self.pending = T.begin_unshard(source, comm, async_op=True, into=into)
+        try:
+            with torch.no_grad(), _preserve_version(into):
+                self.pending = T.begin_unshard(
+                    source, comm, codecs=self.codecs, async_op=True, into=into
+                )
+        except GatherCodecError:  # a pre hook failed: the peers must not wait for this rank
+            self._abort()
+            raise
 
     def wait(self, *, keep_output: bool = False) -> None:
-        """Land the gather in flight into the buffer (copying out on the packed path)."""
+        """Land the gather in flight in the buffer (copying out on the packed path) and decode
+        it: :func:`~functional_fsdp.core.transitions.land_unshard`, into the views of the last
+        landing when the buffer is the same (codecs decode with ``out=``)."""
         pending, self.pending = self.pending, None
         assert pending is not None, "GatherSlot.wait: no gather in flight (call start first)"
-        pending.work.wait()
-        if pending.output is not None:
-            buf = self.alloc()
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(buf):
-                T.copy_out(self.layout, pending.output, buf)
-            self.output = pending.output if keep_output else None
+        # start allocated the buffer when it passed it (the pieces may have landed there).
+        buf = self.alloc() if pending.into is None else pending.into
+        keep = buf if self.codecs is None else (buf, *self.inner, *self.views)
+        try:
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(keep):
+                landed = T.land_unshard(pending, into=buf, out=self.views or None)
+        except GatherCodecError:  # a post hook failed: the peers must not wait for this rank
+            self._abort()
+            raise
+        if not self.views:
+            self.views = landed.params
+            ptr = buf.untyped_storage().data_ptr()
+            self.inner = tuple(t for t in landed.inner if t.untyped_storage().data_ptr() != ptr)
+        self.output = pending.output if keep_output else None
         self.version = self.pending_version
         self.live = True
 
@@ -141,7 +206,8 @@ class GatherSlot:
         self.wait(keep_output=keep_output)
 
     def free(self) -> None:
-        """Free the buffer's storage (views saved by autograd stay valid objects)."""
+        """Free the buffer's storage and the codecs' inner tensors' (views saved by autograd
+        stay valid objects)."""
         if self.pending is not None and self.pending.into is not None:
             # A gather in flight writes into this buffer: let it land before freeing.
             self.pending.work.wait()
@@ -149,6 +215,9 @@ class GatherSlot:
         buf = self.buffer
         if buf is not None and buf.untyped_storage().size() != 0:
             buf.untyped_storage().resize_(0)
+        for t in self.inner:
+            if t.untyped_storage().size() != 0:
+                t.untyped_storage().resize_(0)
         self.live = False
         self.output = None
 
@@ -167,8 +236,93 @@ class GatherSlot:
         kept: list[Any] = []
         if self.pending is not None:
             kept = [self.pending, self.buffer]
-            self.buffer, self.views = None, ()
+            self.buffer, self.views, self.inner = None, (), ()
         self.pending = None
         self.live = False
         self.output = None
         return kept
+
+
+# ------------------------------------------------------------------ tensor-subclass codecs
+
+
+def plain_data(t: torch.Tensor) -> torch.Tensor:
+    """The one inner tensor of a hooked subclass (what FSDP shards and the optimizer updates)."""
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    inner = getattr(t, names[0]) if len(names) == 1 else None
+    if inner is None or tuple(inner.shape) != tuple(t.shape) or inner.dtype != t.dtype:
+        raise GatherCodecError(
+            f"{type(t).__name__}: fully_shard shards subclasses with all-gather hooks that wrap "
+            "one inner tensor of their own shape and dtype (__tensor_flatten__)"
+        )
+    return inner
+
+
+def _rewrap(template: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    names, ctx = template.__tensor_flatten__()  # type: ignore[attr-defined]
+    return type(template).__tensor_unflatten__(  # type: ignore[attr-defined]
+        {names[0]: data}, ctx, data.shape, data.stride()
+    )
+
+
+def adopt_codecs(
+    group: Any, templates: list[torch.Tensor | None], mesh: Any, raf: bool | int
+) -> None:
+    """Give ``group`` its codecs: agree on input specs, re-layout, re-wrap, a slot that runs
+    them (see the module docstring). Nothing when no parameter has hooks."""
+    if not any(t is not None for t in templates):
+        return
+    if isinstance(raf, int) and not isinstance(raf, bool):
+        raise GatherCodecError(
+            f"{group.name}: parameters with all-gather hooks cannot use reshard_after_forward="
+            f"{raf} (FSDP2 raises NotImplementedError too); use True or False"
+        )
+    shard_mesh = mesh if mesh.ndim == 1 else mesh[mesh.mesh_dim_names[-1]]
+    codecs: list[C.GatherCodec | None] = []
+    specs: list[GatherInputSpec | None] = []
+    for i, tmpl in enumerate(templates):
+        if tmpl is None:
+            codecs.append(None)
+            specs.append(None)
+            continue
+        p = group.params[i]
+        p._local_tensor = _rewrap(tmpl, group.state.local(i))
+        m, _ = group.holders[i][0]
+        spec = group.layout.specs[i]
+        codec = C.SubclassCodec(
+            spec.fqn, shard_mesh, spec.shape, module=m, mp_policy=group.mp_policy, wrap=_local_of(p)
+        )
+        codecs.append(codec)
+        specs.append(C.describe_inputs(spec.fqn, codec, group.state.local(i)))
+    _agree(group, specs)
+    layout = C.with_codec_inputs(group.layout, specs)
+    group.layout = layout
+    group.state = attrs.evolve(group.state, layout=layout)
+    group.slot = GatherSlot(
+        layout,
+        group.device,
+        group._advise,
+        codecs=codecs,
+        abort=lambda: _abort_peers(group.base_comms()),
+    )
+
+
+def _local_of(p: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    def local(_shard: torch.Tensor) -> torch.Tensor:
+        return p._local_tensor
+
+    return local
+
+
+def _agree(group: Any, specs: list[GatherInputSpec | None]) -> None:
+    pg = getattr(getattr(group.comm, "base", group.comm), "group", None)
+    if group.layout.world_size == 1 or pg is None:
+        return
+    seen: list[Any] = [None] * group.layout.world_size
+    dist.all_gather_object(seen, specs, group=pg)
+    if any(s != specs for s in seen):
+        names = [s.fqn for s in group.layout.specs]
+        raise GatherCodecError(
+            f"{group.name}: fsdp_pre_all_gather returns different input shapes/dtypes on "
+            f"different ranks for {names}: {seen}; every rank must send the same sizes"
+        )
