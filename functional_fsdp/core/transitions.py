@@ -239,7 +239,8 @@ class PendingUnshard:
 
 class Landed(NamedTuple):
     """What :func:`land_unshard` returns: the full parameters, the buffer they were decoded
-    from (identity parameters view it), and the inner tensors codecs' decodes made outside it."""
+    from (identity parameters view it), and the inner tensors the codecs' decodes returned
+    (FSDP2's ``inner_tensors``: where their storage lives; one may be a view of ``buffer``)."""
 
     params: tuple[torch.Tensor, ...]
     buffer: torch.Tensor
