@@ -331,7 +331,7 @@ def case_errors() -> list[str]:
         model.set_gradient_compression(F.GradCompression())
     msgs.append(str(e2.value))
     groups = [m._ffsdp_state.group for m in model.modules() if hasattr(m, "_ffsdp_state")]
-    assert all(g.grad_compression is None for g in groups if g is not None)  # unchanged
+    assert all(g.config.grad_compression is None for g in groups if g is not None)  # unchanged
     model.blocks[0].set_custom_reduce_scatter(None)
     model.set_gradient_compression(F.GradCompression())
     with pytest.raises(errors.PolicyError, match="set_gradient_compression") as e3:

@@ -400,7 +400,7 @@ BAD_FACTORS = [0, 0.0, -2.0, math.inf, -math.inf, math.nan, "2", None, True]
 def case_bad_divide_factor() -> list[str]:
     model = _sharded(0)
     groups = [m._ffsdp_state.group for m in model.modules() if hasattr(m, "_ffsdp_state")]
-    before = [g.divide_factor for g in groups]
+    before = [g.config.divide_factor for g in groups]
     outcomes = []
     for f in BAD_FACTORS:
         try:
@@ -410,9 +410,9 @@ def case_bad_divide_factor() -> list[str]:
             outcomes.append("refused")
         else:
             outcomes.append("accepted")
-        assert [g.divide_factor for g in groups] == before
+        assert [g.config.divide_factor for g in groups] == before
     model.set_gradient_divide_factor(4.0)
-    assert all(g.divide_factor == 4.0 for g in groups)
+    assert all(g.config.divide_factor == 4.0 for g in groups)
     return outcomes
 
 

@@ -20,11 +20,9 @@ import copy
 import types
 from typing import Any
 
-import attrs
 import torch.nn as nn
 
 from ...core.errors import StateError
-from ...core.records import CPUOffloadPolicy, OffloadPolicy, ShardedState
 from ..engine.group import ParamGroup, TrainingState
 from .state import FSDPState, hooks_for, register_fsdp_forward_method
 
@@ -32,17 +30,6 @@ __all__ = ["deepcopy_fsdp_module"]
 
 # memo key marking an FSDP deep copy in progress (nested FSDP modules then copy only their dicts)
 _ACTIVE = "_functional_fsdp_deepcopy_states"
-
-# ParamGroup settings (FSDPModule setters) carried over to the copy.
-_GROUP_FLAGS = (
-    "reshard_after_forward",
-    "reshard_after_backward",
-    "requires_gradient_sync",
-    "requires_all_reduce",
-    "divide_factor",
-    "force_sum",
-    "reduce_unused",
-)
 
 
 def deepcopy_fsdp_module(module: nn.Module, memo: dict[Any, Any]) -> nn.Module:
@@ -98,14 +85,6 @@ def _unique_groups(states: list[FSDPState]) -> list[ParamGroup]:
     return list(out.values())
 
 
-def _copy_record(state: ShardedState) -> ShardedState:
-    grads = None
-    if state.grads is not None:
-        grads = tuple(g.clone() if g is not None else None for g in state.grads)
-    partial = state.partial.clone() if state.partial is not None else None
-    return attrs.evolve(state, flat=state.flat.clone(), grads=grads, partial=partial)
-
-
 def _copy_group(g: ParamGroup, memo: dict[Any, Any]) -> ParamGroup:
     holders = []
     for hl in g.holders:
@@ -118,30 +97,7 @@ def _copy_group(g: ParamGroup, memo: dict[Any, Any]) -> ParamGroup:
                 )
             row.append((memo[id(m)], n))
         holders.append(row)
-    offload = CPUOffloadPolicy() if g.offload else OffloadPolicy()
-    new = ParamGroup(
-        g.layout,
-        _copy_record(g.state),
-        holders,
-        list(g.requires_grad),
-        mesh=g.mesh,
-        comm=g.comm,
-        replicate_comm=g.replicate_comm,
-        sub_comm=g.sub_comm,
-        device=g.device,
-        mp_policy=g.mp_policy,
-        offload_policy=offload,
-        name=g.name,
-        tp=g.tp,
-    )
-    for flag in _GROUP_FLAGS:
-        setattr(new, flag, getattr(g, flag))
-    if g.accumulated is not None:
-        new.accumulated = [a.clone() if a is not None else None for a in g.accumulated]
-    for old_p, new_p in zip(g.params, new.params):
-        if old_p.grad is not None:
-            new_p.grad = old_p.grad.detach().clone()
-    return new
+    return g.clone(holders)
 
 
 def _closes_over(fn: Any, obj: Any) -> bool:

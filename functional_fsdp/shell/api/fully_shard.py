@@ -20,6 +20,7 @@ from ...core.transitions import shard_tensors
 from ..comm.process_group import ProcessGroupComm
 from ..comm.scoped import scoped
 from ..engine.autograd import explain_forward_ad_on_dtensor
+from ..engine.config import GroupConfig
 from ..engine.gather import adopt_codecs, plain_data
 from ..engine.group import ParamGroup, TrainingState, layout_for
 from ..io.reload import readopt_after_load
@@ -93,8 +94,7 @@ def fully_shard(
         spmd_mesh = mesh
         mesh, dp_names = resolve_dp_mesh_dims(mesh, dp_mesh_dims)
     mesh = _resolve_mesh(mesh, modules)
-    shard_size = mesh.size(-1)
-    raf = _validate_reshard(reshard_after_forward, shard_size)
+    raf = _validate_reshard(reshard_after_forward, mesh.size(-1))
     ignored = set(ignored_params or ())
     name = type(modules[0]).__name__
 
@@ -104,12 +104,13 @@ def fully_shard(
         tp = plan_tensor_parallel(
             params, fqns, mesh, spmd_mesh=spmd_mesh, dp_names=dp_names, raf=raf, name=name
         )
+        users = len(modules)  # fully_shard([m1, m2]): the modules forwarding through it
         group = _build_group(
-            params, holders, fqns, mesh, raf, shard_placement_fn, mp, offload, name, tp
+            params, holders, fqns, mesh, raf, shard_placement_fn, mp, offload, name, tp, users
         )
         for p in params:
             setattr(p, _OWNER_ATTR, name)
-    _attach(modules, group, mp, name, reshard_after_forward, raf)
+    _attach(modules, group, mp, name, reshard_after_forward)
     return module
 
 
@@ -143,14 +144,10 @@ def _attach(
     mp: MixedPrecisionPolicy,
     name: str,
     reshard_after_forward: bool | int | None,
-    raf: bool | int,
 ) -> None:
     """Give each module its FSDP state, forward hooks, state-dict hooks and FSDP class."""
     state = FSDPState(modules[0], group, mp, name)
     state.user_reshard_after_forward = reshard_after_forward
-    if group is not None:
-        group.reshard_after_forward = raf
-        group.forward_users = len(modules)
     for i, m in enumerate(modules):
         st = state if i == 0 else FSDPState(m, None, mp, type(m).__name__)
         if i > 0:
@@ -271,6 +268,7 @@ def _build_group(
     offload: OffloadPolicy,
     name: str,
     tp: TensorParallelPlan | None = None,
+    users: int = 1,
 ) -> ParamGroup:
     shard_size = mesh.size(-1)
     rank = mesh.get_local_rank(-1) if mesh.ndim == 2 else mesh.get_local_rank()
@@ -318,6 +316,8 @@ def _build_group(
         offload_policy=offload,
         name=name,
         tp=tp,
+        config=GroupConfig(reshard_after_forward=raf),
+        forward_users=users,
     )
     adopt_codecs(group, templates, mesh, raf)
     return group

@@ -31,7 +31,18 @@ from ..engine.functional_path import (
 )
 from ..engine.group import ParamGroup
 
-__all__ = ["TP_TRANSFORM_MESSAGE", "ForwardState", "post_forward", "pre_forward"]
+__all__ = ["TP_TRANSFORM_MESSAGE", "ForwardState", "Functional", "post_forward", "pre_forward"]
+
+
+class _Marker:
+    """A state without a group inside a functional forward (nothing to gather)."""
+
+    __slots__ = ()
+
+
+Functional = FunctionalForward | GatherCall | _Marker
+"""A state's record of the functional forward in progress (``FSDPState.functional``): the
+root's :class:`FunctionalForward`, a group's :class:`GatherCall`, or a marker."""
 
 
 class ForwardState(Protocol):
@@ -39,18 +50,26 @@ class ForwardState(Protocol):
     ``FSDPState``): its group, its root, and the root's record of the forward in progress."""
 
     group: ParamGroup | None
-    root: Any  # the root's ForwardState (None before lazy init)
     depth: int
     in_forward: bool
-    functional: Any  # FunctionalForward | GatherCall | _Marker | None
-    all_states: list[Any]
+    functional: Functional | None
+
+    @property
+    def root(self) -> ForwardState | None:
+        """The root's state (``None`` before lazy init)."""
+        ...
+
+    @property
+    def all_states(self) -> Sequence[ForwardState]:
+        """The root's: every state below it."""
+        ...
 
     @property
     def is_root(self) -> bool:
         """Whether this state is its root's."""
         ...
 
-    def forward_prefetch_targets(self) -> list[Any]:
+    def forward_prefetch_targets(self) -> Sequence[ForwardState]:
         """The states whose groups this one's forward prefetches."""
         ...
 
@@ -59,12 +78,6 @@ def _wants_functional(states: Sequence[ForwardState]) -> bool:
     if torch._C._are_functorch_transforms_active():
         return True
     return any(s.group is not None and substituted(s.group) for s in states)
-
-
-class _Marker:
-    """A state without a group inside a functional forward (nothing to gather)."""
-
-    __slots__ = ()
 
 
 def pre_forward(state: ForwardState) -> bool:
@@ -168,9 +181,8 @@ def post_forward(state: ForwardState, output: Any) -> Any:
         return output
     rec.forward = None
     g = rec.group
-    for src, holders in zip(rec.sources, g.holders):
-        for m, n in holders:
-            m._parameters[n] = src
+    for sp, src in zip(g.sharded_params, rec.sources):
+        sp.register(src)
     rec.sources = ()
     tensors = []
     if torch.is_grad_enabled():
@@ -181,7 +193,7 @@ def post_forward(state: ForwardState, output: Any) -> Any:
         # Nothing saved for backward: drop the buffer (outputs aliasing it keep it alive).
         rec.slot = None
         return output
-    if g.reshard_after_forward is not False:
+    if g.config.reshard_after_forward is not False:
         rec.free()
     torch.autograd.graph.register_multi_grad_hook(tensors, rec.pre_backward_hook, mode="any")
     return output

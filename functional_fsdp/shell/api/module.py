@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from ...core.compression import GradCompression
 from ...core.errors import PolicyError, StateError, UnsupportedError
-from ..comm.custom import CustomCollectiveComm, check_custom_comm, unwrap
+from ..comm.custom import CustomCollectiveComm, check_custom_comm
 from ..engine.group import ParamGroup
 from .deepcopy import deepcopy_fsdp_module
 from .state import FSDPState, register_fsdp_forward_method
@@ -51,8 +51,7 @@ class UnshardHandle:
     def wait(self) -> None:
         """Block until the all-gathers are done and the full parameters are on the modules."""
         for g in self._groups:
-            g.wait_unshard()
-            g.register_full(g.views)
+            g.unshard_onto_modules()
         self._groups = []
 
 
@@ -130,12 +129,12 @@ class FSDPModule(TorchFSDPModule):
     ) -> None:
         """Reduce gradients in backward (``True``) or accumulate them unsharded (``False``)."""
         for g in _groups(self, recurse):  # type: ignore[arg-type]
-            g.requires_gradient_sync = requires_gradient_sync
+            g.configure(requires_gradient_sync=requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP: all-reduce across replicas now (``True``) or keep a partial sum (``False``)."""
         for g in _groups(self, recurse):  # type: ignore[arg-type]
-            g.requires_all_reduce = requires_all_reduce
+            g.configure(requires_all_reduce=requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change ``reshard_after_forward`` (bool only, as in FSDP2)."""
@@ -146,14 +145,14 @@ class FSDPModule(TorchFSDPModule):
         for s in _states(self, recurse):  # type: ignore[arg-type]
             s.user_reshard_after_forward = reshard_after_forward
             if s.group is not None:
-                s.group.reshard_after_forward = reshard_after_forward
+                s.group.configure(reshard_after_forward=reshard_after_forward)
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:
         """Free the unsharded parameters after backward (default ``True``)."""
         for g in _groups(self, recurse):  # type: ignore[arg-type]
-            g.reshard_after_backward = reshard_after_backward
+            g.configure(reshard_after_backward=reshard_after_backward)
 
     def set_modules_to_forward_prefetch(self, modules: list[Any]) -> None:
         """Explicit forward prefetch: all-gather these modules when this one's forward starts."""
@@ -181,7 +180,7 @@ class FSDPModule(TorchFSDPModule):
                 "number (gradients are divided by it); use the data-parallel size for averaging"
             )
         for g in _groups(self, True):
-            g.divide_factor = factor
+            g.configure(divide_factor=factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """Deprecated alias of :meth:`set_gradient_divide_factor`."""
@@ -190,14 +189,14 @@ class FSDPModule(TorchFSDPModule):
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Use sum reductions with explicit pre/post division (no ``avg`` reductions)."""
         for g in _groups(self, True):  # type: ignore[arg-type]
-            g.force_sum = enable
+            g.configure(force_sum=enable)
 
     def set_reduce_scatter_unused_params(
         self, reduce_scatter_unused_params: bool, *, recurse: bool = True
     ) -> None:
         """Also reduce-scatter (zero) gradients of parameters that got none."""
         for g in _groups(self, recurse):  # type: ignore[arg-type]
-            g.reduce_unused = reduce_scatter_unused_params
+            g.configure(reduce_unused=reduce_scatter_unused_params)
 
     def set_gradient_compression(
         self, compression: GradCompression | None, *, recurse: bool = True
@@ -268,7 +267,7 @@ class FSDPModule(TorchFSDPModule):
         """
         check_custom_comm(comm, "set_custom_reduce_scatter")
         g = self._ffsdp_state.group
-        if comm is not None and g is not None and g.grad_compression is not None:
+        if comm is not None and g is not None and g.config.grad_compression is not None:
             raise PolicyError(
                 f"set_custom_reduce_scatter: group {g.name!r} compresses its gradient reduction "
                 "(set_gradient_compression), which the custom reduce-scatter would replace; call "
@@ -278,21 +277,8 @@ class FSDPModule(TorchFSDPModule):
 
     def _set_custom(self, **kw: Any) -> None:
         g = self._ffsdp_state.group
-        if g is None:
-            return
-        for attr in ("comm", "sub_comm"):  # FSDP2 uses the custom all-gather for both
-            c = getattr(g, attr)
-            if c is None or (attr == "sub_comm" and "all_gather" not in kw):
-                continue
-            ag = kw.get("all_gather", getattr(c, "all_gather_comm", None))
-            rs = kw.get("reduce_scatter", getattr(c, "reduce_scatter_comm", None))
-            if attr == "sub_comm":
-                rs = None
-            inner = unwrap(c)
-            wrapped = CustomCollectiveComm(inner, all_gather=ag, reduce_scatter=rs, name=g.name)
-            setattr(g, attr, inner if ag is None and rs is None else wrapped)
-        # A gather in flight went through the old communicator: drop it (it is waited first).
-        g.discard_pending()
+        if g is not None:
+            g.use_custom_collectives(**kw)
 
     def set_all_reduce_hook(self, hook: Any, *, stream: Any = None) -> None:
         """Call ``hook(reduce_output)`` on this module's reduced gradients (FSDP2's semantics).
@@ -319,7 +305,7 @@ class FSDPModule(TorchFSDPModule):
                 "set_all_reduce_hook: stream cannot be set when using native HSDP (the hook runs "
                 "after the replicate all-reduce); leave stream=None"
             )
-        g.all_reduce_hook = hook
+        g.configure(all_reduce_hook=hook)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward all-gathers this module's parameters (default ``True``).
@@ -330,7 +316,7 @@ class FSDPModule(TorchFSDPModule):
         """
         g = self._ffsdp_state.group
         if g is not None:
-            g.unshard_in_backward = bool(unshard_in_backward)
+            g.configure(unshard_in_backward=bool(unshard_in_backward))
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Accepted; has no effect here (FSDP2's hint to allocate staging buffers with the
@@ -353,7 +339,7 @@ class FSDPModule(TorchFSDPModule):
                 "all-gather or reduce-scatter is set (set_custom_all_gather / "
                 "set_custom_reduce_scatter decide the allocation through their allocate())"
             )
-        g.allocate_from_process_group = bool(enable)
+        g.configure(allocate_from_process_group=bool(enable))
 
     # FSDP2's CUDA performance knobs: validated as FSDP2 does; the engine needs none of them.
 
@@ -378,7 +364,7 @@ class FSDPModule(TorchFSDPModule):
         if max_input_buffers < 1:
             raise PolicyError(f"max_input_buffers must be a positive int, got {max_input_buffers}")
         for g in _groups(self, recurse):  # type: ignore[arg-type]
-            g.reduce_scatter_max_input_buffers = max_input_buffers
+            g.configure(reduce_scatter_max_input_buffers=max_input_buffers)
 
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
@@ -387,7 +373,7 @@ class FSDPModule(TorchFSDPModule):
         so it can progress beside the all-gathers; on gloo our collectives are tagged
         point-to-point messages that already progress concurrently on one group."""
         for g in _groups(self, recurse):  # type: ignore[arg-type]
-            g.separate_reduce_scatter_group = bool(enable)
+            g.configure(separate_reduce_scatter_group=bool(enable))
 
     def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
         """Not supported: NCCL symmetric memory needs CUDA and NCCL, and our engine does not

@@ -16,9 +16,8 @@ from torch.autograd import Variable
 from ...core.errors import PolicyError, StateError
 from ...core.records import MixedPrecisionPolicy
 from ..comm.scoped import introduce, resync
-from ..engine.autograd import unsharded_outputs
-from ..engine.group import ParamGroup, TrainingState
-from ..engine.group_common import ReduceChain, traced
+from ..engine.group import ParamGroup, ReduceChain
+from ..engine.group_common import traced
 from . import functional_call
 
 __all__ = ["FSDPState", "hooks_for", "register_fsdp_forward_method"]
@@ -64,7 +63,7 @@ class FSDPState:
         # Where this forward's parameters come from: None for the group's own shards (its
         # persistent GatherSlot), else the record of a forward over caller-passed sources
         # (functional_call / torch.func; shell/functional_path.py, a GatherSlot per call).
-        self.functional: Any = None
+        self.functional: functional_call.Functional | None = None
         # One token per module call in progress (the post hook marks it; the always-called
         # exit hook pops it): an unmarked token means the forward raised.
         self.calls: list[list[bool]] = []
@@ -140,9 +139,9 @@ class FSDPState:
         chain = ReduceChain()
         for s in states:
             if s.group is not None:
-                s.group.reduce_chain = chain
+                s.group.join_reduce_chain(chain)
         if self.group is not None and self.user_reshard_after_forward is None:
-            self.group.reshard_after_forward = False
+            self.group.configure(reshard_after_forward=False)
 
     # ------------------------------------------------------------------ forward
 
@@ -171,8 +170,7 @@ class FSDPState:
         if _in_backward():
             # Activation-checkpoint recompute: only make sure the parameters are unsharded.
             if g is not None:
-                g.wait_unshard()
-                g.register_full(g.full_outputs if g.full_outputs is not None else g.views)
+                g.unshard_for_recompute()
             return args, kwargs
         self.depth += 1
         if self.depth > 1:
@@ -181,7 +179,7 @@ class FSDPState:
             root.in_forward = True
             for s in root.all_states:
                 if s.group is not None:
-                    s.group.ran_post_backward = False
+                    s.group.start_iteration()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if not root.order_recorded:
@@ -190,23 +188,17 @@ class FSDPState:
         # are gathered per call by the same engine; otherwise the group's own shards below.
         if functional_call.pre_forward(self):
             return args, kwargs
-        if g is not None and g.forward_users > 1 and g.training_state == TrainingState.FORWARD:
-            # Another module of the same fully_shard([...]) group already unsharded it.
-            return args, kwargs
+        prefetch = _groups(self.forward_prefetch_targets())
         if g is not None:
-            g.training_state = TrainingState.FORWARD
-            g.forward_done = 0
-            g.wait_unshard()
-            for t in self.forward_prefetch_targets():
-                t.group.start_unshard()  # type: ignore[union-attr]
-            g.full_outputs = unsharded_outputs(g)
-            g.register_full(g.full_outputs)
+            g.pre_forward(prefetch)
         else:
-            for t in self.forward_prefetch_targets():
-                t.group.start_unshard()  # type: ignore[union-attr]
+            for pg in prefetch:
+                pg.start_unshard()
         return args, kwargs
 
     def forward_prefetch_targets(self) -> list[FSDPState]:
+        """The states whose groups this one's forward prefetches (explicit, else the next
+        group in the root's forward order, inside a root forward only)."""
         if self.explicit_forward_prefetch is not None:
             return [s for s in self.explicit_forward_prefetch if s.group is not None]
         root = self.root
@@ -237,8 +229,6 @@ class FSDPState:
         root = self.root
         if root is not None and not root.order_recorded:
             root.post_forward_order.append(self)
-        if g is not None and not functional:
-            g.forward_done += 1
         if self.mp_policy.output_dtype is not None:
             output = _cast_floats(output, self.mp_policy.output_dtype)
         tensors = []
@@ -248,21 +238,15 @@ class FSDPState:
                 for t in pytree.tree_leaves(output)
                 if isinstance(t, torch.Tensor) and t.requires_grad
             ]
-        if g is not None and not functional and g.forward_done >= g.forward_users:
-            raf = g.reshard_after_forward
-            if not tensors and self.is_root and self.user_reshard_after_forward is None:
-                # The root keeps its parameters only for the backward that follows; with no
-                # backward to serve (no_grad, inference mode, nothing requires grad) it
-                # reshards like every other group.
-                raf = True
-            g.reshard_after_forward_now(raf)
-            # The sharded DTensors go back on the modules after every forward, also where the
-            # unsharded buffer stays for the backward (the root): model.parameters() are then
-            # always the tensors the optimizer, clipping, EMA and autograd.grad must see. FSDP2
-            # leaves the unsharded tensors registered, and those silently take local-only
-            # gradients and updates that are lost (docs/fsdp2_mapping.md).
-            g.register_sharded()
-            g.training_state = TrainingState.IDLE
+        if g is not None and not functional:
+            # The root keeps its parameters only for the backward that follows; with no
+            # backward to serve (no_grad, inference mode, nothing requires grad) it reshards
+            # like every other group.
+            g.post_forward(
+                force_reshard=not tensors
+                and self.is_root
+                and self.user_reshard_after_forward is None
+            )
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         if self.is_root:
@@ -282,21 +266,14 @@ class FSDPState:
         if not root.callback_queued:
             root.callback_queued = True
             Variable._execution_engine.queue_callback(root._final_callback)
-        g = self.group
-        if g is not None:
-            g.training_state = TrainingState.PRE_BACKWARD
-            # set_unshard_in_backward(False): the backward does not read these parameters
-            # (e.g. an embedding); FSDP2 skips their all-gather (and its prefetch) in backward.
-            if g.unshard_in_backward:
-                g.wait_unshard()
-                if g.full_outputs is not None:
-                    g.register_full(g.full_outputs)
-        for t in self.backward_prefetch_targets():
-            tg = t.group
-            if tg is not None and not tg.ran_post_backward and tg.unshard_in_backward:
-                tg.start_unshard()
+        if self.group is not None:
+            self.group.pre_backward()
+        for pg in _groups(self.backward_prefetch_targets()):
+            pg.prefetch_for_backward()
 
     def backward_prefetch_targets(self) -> list[FSDPState]:
+        """The states whose groups this one's backward prefetches (explicit, else the group
+        before it in the root's post-forward order)."""
         if self.explicit_backward_prefetch is not None:
             return self.explicit_backward_prefetch
         root = self.root
@@ -317,43 +294,16 @@ class FSDPState:
     def _finish_backward(self) -> None:
         self.callback_queued = False
         for s in self.all_states:
-            g = s.group
-            if g is None:
-                continue
-            if self.is_last_backward:
-                # Otherwise (FSDP2's set_is_last_backward(False), gradient accumulation) the
-                # reduction stays in flight, overlapping the next micro-batch; the group's next
-                # reduction or the last backward's callback finishes it.
-                g.finish_reduce()
-            g.discard_pending()
-            keep = g.keep_for_double_backward
-            g.keep_for_double_backward = False
-            if (g.reshard_after_backward or not g.ran_post_backward) and not keep:
-                # (A create_graph backward keeps the full parameters: the double backward's
-                # graph reads them. The next forward reuses them, or a reshard frees them.)
-                g.free()
-            g.register_sharded()
-            g.full_outputs = None
-            g.post_forward = None
-            g.training_state = TrainingState.IDLE
+            if s.group is not None:
+                s.group.finish_backward(self.is_last_backward)
 
     def reset(self) -> None:
         """``reset_iter_state``: drop in-flight work, reshard, go idle (after an exception)."""
         root = self.root if self.root is not None else self
         states = root.all_states or [self]
         for s in states:
-            g = s.group
-            if g is None:
-                continue
-            g.abandon_in_flight()
-            g.accumulated = None  # unsharded gradients of the failed iteration (no-sync)
-            g.ran_post_backward = False
-            g.forward_done = 0
-            g.free()
-            g.register_sharded()
-            g.full_outputs = None
-            g.post_forward = None
-            g.training_state = TrainingState.IDLE
+            if s.group is not None:
+                s.group.reset_iter_state()
         for s in states:
             s.depth = 0
         if self.root is not None:
@@ -368,6 +318,10 @@ class FSDPState:
                 if all(b is not c for c in bases):
                     bases.append(b)
         resync(bases)
+
+
+def _groups(states: list[FSDPState]) -> list[ParamGroup]:
+    return [s.group for s in states if s.group is not None]
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

@@ -13,38 +13,88 @@ Semantics of the second order: ``GatherFn``'s backward is the group's reduction 
 data-parallel ranks, or the configured divide factor), ``ReduceFn``'s backward a plain
 all-gather, so ``autograd.grad(autograd.grad(loss, p, create_graph=True), p, v)`` is the
 Hessian-vector product of the data-parallel mean loss.
+
+This module imports no engine module: each Function names what it calls back into as a
+``Protocol`` (:class:`Unsharding`, :class:`GradReduction`, :class:`SourceGather`), which the
+group (``group.ParamGroup``, ``group.OwnReduction``) and the functional path
+(``functional_path.GatherCall``) implement. The group's phases create the Functions.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
-
-from ...core import transitions as T
-from .functional_path import GatherCall
-from .group import ParamGroup
 
 __all__ = [
     "FORWARD_AD_MESSAGE",
     "PER_EXAMPLE_MESSAGE",
     "GatherFn",
     "GatherGradFn",
+    "GradReduction",
     "ReduceFn",
+    "SourceGather",
     "UnshardFn",
+    "Unsharding",
     "explain_forward_ad_on_dtensor",
     "reduce_differentiably",
-    "unsharded_outputs",
 ]
+
+
+class Unsharding(Protocol):
+    """What :class:`UnshardFn` needs of a group (``ParamGroup``)."""
+
+    @property
+    def views(self) -> tuple[torch.Tensor, ...]:
+        """The full parameters (views of the group's unsharded buffer)."""
+        ...
+
+    @property
+    def requires_grad(self) -> tuple[bool, ...]:
+        """Per parameter, whether it trains."""
+        ...
+
+    def unshard_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+        """Reduce the full gradients; what autograd gets for the sharded parameters."""
+        ...
+
+
+class GradReduction(Protocol):
+    """A reduction whose sharded gradients autograd receives (:class:`ReduceFn`'s ``call``):
+    a functional call's (``functional_path.GatherCall``) or the group's own
+    (``group.OwnReduction``)."""
+
+    create_graph: bool
+
+    def reduce(self, grads: Sequence[torch.Tensor | None]) -> tuple[DTensor | None, ...]:
+        """Reduce-scatter full gradients into sharded ``DTensor`` gradients."""
+        ...
+
+    def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        """The adjoint of :meth:`reduce`: all-gather sharded cotangents into full tensors."""
+        ...
+
+
+class SourceGather(GradReduction, Protocol):
+    """What :class:`GatherFn` needs of a functional call (``functional_path.GatherCall``)."""
+
+    @property
+    def requires_grad(self) -> tuple[bool, ...]:
+        """Per parameter, whether it trains."""
+        ...
+
+    def gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """All-gather the sources; the full parameters."""
+        ...
 
 
 class UnshardFn(torch.autograd.Function):
     """Forward: the group's full parameters. Backward: reduce-scatter their gradients."""
 
     @staticmethod
-    def forward(ctx: Any, group: ParamGroup, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, group: Unsharding, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
         ctx.set_materialize_grads(False)
         outs = tuple(v.view_as(v) for v in group.views)
@@ -55,24 +105,9 @@ class UnshardFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
-        group: ParamGroup = ctx.group
-        if group.gradients_captured():
-            # torch.autograd.grad(loss, params[, create_graph=True]): return the reduced
-            # gradients to autograd instead of accumulating them into .grad.
-            group.enter_post_backward()
-            out = reduce_differentiably(GatherCall.for_group(group), grads)
-            group.after_returned_reduce(keep_full=torch.is_grad_enabled())
-            return (None, *out)
-        group.post_backward(grads)
-        return (None,) * (1 + len(grads))
-
-
-def unsharded_outputs(group: ParamGroup) -> tuple[torch.Tensor, ...]:
-    """Autograd-tracked full tensors of ``group`` for this forward (their backward reduces the
-    gradients); plain views of the buffer when nothing needs a gradient."""
-    if torch.is_grad_enabled() and any(group.requires_grad):
-        return tuple(UnshardFn.apply(group, *group.params))
-    return tuple(v.view_as(v) for v in group.views)
+        # Into .grad (loss.backward()), or returned reduced while torch.autograd.grad runs.
+        group: Unsharding = ctx.group
+        return (None, *group.unshard_backward(grads))
 
 
 class GatherFn(torch.autograd.Function):
@@ -82,15 +117,15 @@ class GatherFn(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(call: Any, *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(call: SourceGather, *sources: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return call.gather(sources)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-        call = inputs[0]
+        call: SourceGather = inputs[0]
         ctx.call = call
         ctx.set_materialize_grads(False)
-        frozen = [o for o, rg in zip(output, call.group.requires_grad) if not rg]
+        frozen = [o for o, rg in zip(output, call.requires_grad) if not rg]
         if frozen:
             ctx.mark_non_differentiable(*frozen)
 
@@ -105,7 +140,7 @@ class GatherFn(torch.autograd.Function):
         raise NotImplementedError(FORWARD_AD_MESSAGE)
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, call: Any, *sources: torch.Tensor) -> Any:
+    def vmap(info: Any, in_dims: tuple, call: SourceGather, *sources: torch.Tensor) -> Any:
         raise NotImplementedError(
             "vmap over the parameters of a sharded module (e.g. model ensembling) is not "
             "supported: each parameter is one DTensor shard per rank. vmap over the inputs works "
@@ -117,7 +152,7 @@ class ReduceFn(torch.autograd.Function):
     """Forward: reduce-scatter full gradients into sharded ``DTensor`` gradients."""
 
     @staticmethod
-    def forward(call: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+    def forward(call: GradReduction, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         return call.reduce(grads)
 
     @staticmethod
@@ -138,7 +173,7 @@ class ReduceFn(torch.autograd.Function):
         return (None, *GatherGradFn.apply(ctx.call, *cotangents))
 
     @staticmethod
-    def vmap(info: Any, in_dims: tuple, call: Any, *grads: Any) -> Any:
+    def vmap(info: Any, in_dims: tuple, call: GradReduction, *grads: Any) -> Any:
         raise NotImplementedError(PER_EXAMPLE_MESSAGE)
 
     @staticmethod
@@ -151,11 +186,8 @@ class GatherGradFn(torch.autograd.Function):
     adjoint of the reduction). Backward: the reduction again (third order and up)."""
 
     @staticmethod
-    def forward(call: Any, *cotangents: Any) -> tuple[torch.Tensor, ...]:
-        g = call.group
-        locals_ = [c._local_tensor if isinstance(c, DTensor) else c for c in cotangents]
-        state = T.pack_locals(locals_, g.layout, g.state.rank, device=g.device)
-        return T.unshard(state, g.comm).params
+    def forward(call: GradReduction, *cotangents: Any) -> tuple[torch.Tensor, ...]:
+        return call.gather_cotangents(cotangents)
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
@@ -168,7 +200,7 @@ class GatherGradFn(torch.autograd.Function):
 
 
 def reduce_differentiably(
-    call: GatherCall, grads: Sequence[torch.Tensor | None]
+    call: GradReduction, grads: Sequence[torch.Tensor | None]
 ) -> tuple[Any, ...]:
     """Reduce-scatter full gradients into sharded ``DTensor`` gradients through autograd: when
     the backward runs with ``create_graph=True`` the reduction is recorded (its derivative is an

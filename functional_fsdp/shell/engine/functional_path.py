@@ -38,16 +38,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
 from ...core import layout as L
 from ...core import transitions as T
+from ...core.errors import UnsupportedError
 from ...core.records import ShardedState
 from .gather import GatherSlot
 from .group import ParamGroup
-from .group_common import refuse_functional_sources
+from .param import ShardedParam
 
 __all__ = [
     "DeferredReductions",
@@ -56,6 +56,7 @@ __all__ = [
     "Prefetch",
     "check_sources",
     "pack_sources",
+    "refuse_functional_sources",
     "registered_sources",
     "substituted",
 ]
@@ -63,19 +64,39 @@ __all__ = [
 
 def substituted(group: ParamGroup) -> bool:
     """Whether any parameter slot of ``group`` holds a tensor other than the group's own."""
-    for i, (p, holders) in enumerate(zip(group.params, group.holders)):
-        module, name = holders[0]
-        slot = module._parameters.get(name)
+    for sp in group.sharded_params:
+        slot = sp.registered()
         # After FSDPModule.unshard() (or a forward that kept the group unsharded) the group's
         # own full parameters sit in the slots.
-        if slot is not p and not group.owns_full(i, slot):
+        if slot is not sp.sharded and not group.owns_full(sp.index, slot):
             return True
     return False
 
 
 def registered_sources(group: ParamGroup) -> list[Any]:
     """The tensors registered on ``group``'s modules now (the caller's, in a functional call)."""
-    return [holders[0][0]._parameters[holders[0][1]] for holders in group.holders]
+    return [sp.registered() for sp in group.sharded_params]
+
+
+def refuse_functional_sources(group: ParamGroup) -> None:
+    """Raise :class:`UnsupportedError` (before any collective) when ``group`` uses a feature
+    the functional path (``functional_call``, ``torch.func``, the functional step) cannot run
+    on caller-passed tensors: tensor-subclass all-gather hooks, compressed reduction."""
+    if group.layout.codec_inputs is not None:
+        raise UnsupportedError(
+            f"group {group.name!r} all-gathers tensor subclasses through their "
+            "fsdp_pre_all_gather / fsdp_post_all_gather hooks, which functional_call / "
+            "torch.func / the functional step do not run yet; train it with the module path "
+            "(loss.backward()), or use plain parameters for the functional path"
+        )
+    if group.config.grad_compression is not None:
+        raise UnsupportedError(
+            f"group {group.name!r} compresses its gradient reduction "
+            "(set_gradient_compression), whose error-feedback residual is state that "
+            "functional_call / torch.func / the functional step do not carry yet; call "
+            "set_gradient_compression(None) on the model, or train it with the module "
+            "path (loss.backward())"
+        )
 
 
 class FunctionalForward:
@@ -85,7 +106,7 @@ class FunctionalForward:
 
     def __init__(self) -> None:
         self.calls: list[GatherCall] = []
-        self.prefetched: dict[Any, Prefetch] = {}
+        self.prefetched: dict[object, Prefetch] = {}  # by the FSDP state of the target
 
     def drain(self) -> None:
         """Wait for prefetched all-gathers nobody consumed (every rank issued them)."""
@@ -190,13 +211,10 @@ class GatherCall:
         # backward (its adjoint is an all-gather) and the full parameters stay for it.
         self.create_graph = False
 
-    @classmethod
-    def for_group(cls, group: ParamGroup) -> GatherCall:
-        """A call over the group's own sharded state (the module path's gradients returned to
-        ``torch.autograd.grad``); the group keeps managing its own unsharded copy."""
-        call = cls(group, None)
-        call.sharded = group.state
-        return call
+    @property
+    def requires_grad(self) -> tuple[bool, ...]:
+        """Per parameter, whether it trains (the group's)."""
+        return self.group.requires_grad
 
     # forward
 
@@ -253,24 +271,25 @@ class GatherCall:
         """Reduce-scatter full gradients; the sharded gradients as ``DTensor`` s (``None`` kept)."""
         g = self.group
         assert self.sharded is not None
-        grads = [gr if rg else None for gr, rg in zip(grads, g.requires_grad)]
-        if g.reshard_after_backward and not self.create_graph:
+        grads = g.trained(grads)
+        if g.config.reshard_after_backward and not self.create_graph:
             self.free()
         if not any(gr is not None for gr in grads):
             return (None,) * len(grads)
         deferred = None if self.create_graph else self.deferred
-        pending = g.begin_reduce(
-            grads, self.sharded, async_op=deferred is not None, all_reduce=True
-        )
         if deferred is not None:
+            pending = g.begin_reduce(grads, self.sharded, async_op=True, all_reduce=True)
             locals_ = _deferred_results(pending)
             deferred.add(pending, locals_)
         else:
-            new = T.finish_reduce(pending, accumulate=False)
-            locals_ = [new.local_grad(i) for i in range(len(g.layout))]
-            if self.forward is None:  # the group's own state: keep the new residual
-                g.state = attrs.evolve(g.state, residual=new.residual)
-        return tuple(None if loc is None else g.dtensor(loc, i) for i, loc in enumerate(locals_))
+            # The group's own record keeps the residual the reduction returns (a caller's
+            # sources have none: compression refuses the functional path).
+            locals_ = g.reduce_now(grads, self.sharded, keep_residual=self.forward is None)
+        return g.sharded_grads(locals_)
+
+    def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        """The adjoint of :meth:`reduce` (an all-gather, for a double backward)."""
+        return self.group.gather_cotangents(cotangents)
 
 
 def _deferred_results(pending: T.PendingReduce) -> list[torch.Tensor | None]:
@@ -301,26 +320,28 @@ def _deferred_results(pending: T.PendingReduce) -> list[torch.Tensor | None]:
     return results
 
 
-def _local(group: ParamGroup, t: torch.Tensor, i: int) -> torch.Tensor:
-    spec = group.layout.specs[i]
+def _local(group: ParamGroup, t: torch.Tensor, sp: ShardedParam) -> torch.Tensor:
     if isinstance(t, DTensor):
-        mesh = group.sharded_spec(i).mesh
-        if tuple(t.placements) != tuple(group.placements[i]) or t.device_mesh != mesh:
+        mesh = sp.dtensor_spec.mesh
+        if tuple(t.placements) != tuple(sp.placements) or t.device_mesh != mesh:
             raise ValueError(
-                f"functional_call on a sharded module: the tensor for {spec.fqn!r} of {group.name} has placements "
+                f"functional_call on a sharded module: the tensor for {sp.fqn!r} of {group.name} has placements "
                 f"{tuple(t.placements)} on {t.device_mesh}; it must have the placement of the "
-                f"module's own parameter, {tuple(group.placements[i])} on {mesh}"
+                f"module's own parameter, {tuple(sp.placements)} on {mesh}"
             )
         return t._local_tensor
     raise TypeError(
-        f"functional_call on a sharded module: the tensor for {spec.fqn!r} of {group.name} is a "
+        f"functional_call on a sharded module: the tensor for {sp.fqn!r} of {group.name} is a "
         f"{type(t).__name__}; pass a DTensor with the placement of the module's own parameter "
-        f"({tuple(group.placements[i])}), e.g. a detached copy of model.get_parameter({spec.fqn!r})"
+        f"({tuple(sp.placements)}), e.g. a detached copy of model.get_parameter({sp.fqn!r})"
     )
 
 
 def check_sources(group: ParamGroup, sources: Sequence[Any]) -> None:
-    for i, (src, spec) in enumerate(zip(sources, group.layout.specs)):
+    """Raise ``TypeError`` / ``ValueError`` naming the parameter when a source is not a tensor
+    of the parameter's global shape and sharding (before any collective)."""
+    for src, sp in zip(sources, group.sharded_params):
+        spec = sp.spec
         if not isinstance(src, torch.Tensor):
             raise TypeError(
                 f"functional_call on a sharded module: {spec.fqn!r} of {group.name} is a {type(src).__name__}"
@@ -332,7 +353,7 @@ def check_sources(group: ParamGroup, sources: Sequence[Any]) -> None:
                 f"{tuple(src.shape)}, the parameter's global shape is {shape}"
             )
         if isinstance(src, DTensor) or not _functorch_wrapped(src):
-            _local(group, src, i)  # raises for a wrong placement or a plain tensor
+            _local(group, src, sp)  # raises for a wrong placement or a plain tensor
 
 
 def _functorch_wrapped(t: torch.Tensor) -> bool:
@@ -346,6 +367,6 @@ def pack_sources(group: ParamGroup, sources: Sequence[torch.Tensor]) -> ShardedS
     the group's own parameters)."""
     if all(s is p for s, p in zip(sources, group.params)):
         return group.state
-    locals_ = [_local(group, s, i) for i, s in enumerate(sources)]
+    locals_ = [_local(group, s, sp) for s, sp in zip(sources, group.sharded_params)]
     device = locals_[0].device if locals_ else group.device
     return T.pack_locals(locals_, group.layout, group.state.rank, device=device)

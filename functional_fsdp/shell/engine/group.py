@@ -5,6 +5,13 @@ unsharded parameters are views into one persistent buffer per group; "resharding
 buffer's storage (``resize_(0)``) and "unsharding" re-allocates it and copies the all-gather into
 it, so tensors autograd saved during forward see the data again in backward. Gradient reduction
 is the backward of the unshard (:class:`~.autograd.UnshardFn`).
+
+The group owns its state: each parameter's facts live in its :class:`~.param.ShardedParam`, the
+settings in a frozen :class:`~.config.GroupConfig`, and the phases of an iteration are methods
+(:meth:`ParamGroup.pre_forward`, :meth:`~ParamGroup.post_forward`,
+:meth:`~ParamGroup.pre_backward`, :meth:`~ParamGroup.post_backward`,
+:meth:`~ParamGroup.finish_backward`) that the module hooks (``shell/api/state.py``) call. Nothing
+outside this module and :mod:`.param` assigns a group's fields (``tests/test_architecture.py``).
 """
 
 from __future__ import annotations
@@ -14,9 +21,11 @@ from typing import Any
 
 import attrs
 import torch
-import torch.nn as nn
+from torch.autograd.graph import Node
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement
 
 from ...core import transitions as T
 from ...core.comm import Communicator
@@ -26,16 +35,32 @@ from ...core.records import (
     GroupLayout,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    PostForwardState,
     ShardedState,
 )
-from ..comm.custom import base_comm, with_all_reduce_hook
+from ..comm.custom import CustomCollectiveComm, base_comm, unwrap, with_all_reduce_hook
 from ..comm.process_group import ProcessGroupComm
 from ..comm.scoped import ScopedComm
+from ..parallel.tensor_parallel import TensorParallelPlan
+from .autograd import UnshardFn, reduce_differentiably
+from .config import GroupConfig
 from .gather import GatherSlot
-from .group_common import ReduceChain, TrainingState, _contiguous_stride, layout_for, traced
+from .group_common import TrainingState, _contiguous_stride, layout_for, traced
 from .memory import huge_page_advisor
+from .param import Holders, ShardedParam
 
-__all__ = ["ParamGroup", "TrainingState", "layout_for"]
+__all__ = ["OwnReduction", "ParamGroup", "ReduceChain", "TrainingState", "layout_for"]
+
+# Settings a deep copy carries over (FSDPModule setters; the others start at their defaults).
+_COPIED_SETTINGS = (
+    "reshard_after_forward",
+    "reshard_after_backward",
+    "requires_gradient_sync",
+    "requires_all_reduce",
+    "divide_factor",
+    "force_sum",
+    "reduce_unused",
+)
 
 
 class ParamGroup:
@@ -45,6 +70,7 @@ class ParamGroup:
         layout: the group layout.
         state: the initial sharded record (the one mutable cell).
         holders: per parameter, the ``(module, attribute name)`` pairs that register it.
+        requires_grad: per parameter, whether it trains.
         mesh: the device mesh (1-D, or 2-D ``(replicate, shard)`` for HSDP).
         comm: communicator over the shard group.
         replicate_comm: communicator over the replicate group (HSDP) or ``None``.
@@ -52,17 +78,20 @@ class ParamGroup:
         device: the compute device.
         mp_policy: mixed-precision policy.
         offload_policy: offload policy.
+        name: the group's name (its module's, for messages and profiler labels).
         tp: the :class:`~.tensor_parallel.TensorParallelPlan` of 2-D FSDP + TP, or ``None``.
+        config: the settings (``FSDPModule.set_*`` replace it through :meth:`configure`).
+        forward_users: how many modules forward through the group (``fully_shard([m1, m2])``).
     """
 
     def __init__(
         self,
         layout: GroupLayout,
         state: ShardedState,
-        holders: list[list[tuple[nn.Module, str]]],
+        holders: Sequence[Holders],
         requires_grad: Sequence[bool],
         *,
-        mesh: Any,
+        mesh: DeviceMesh,
         comm: Communicator,
         replicate_comm: Communicator | None,
         sub_comm: Communicator | None,
@@ -70,12 +99,13 @@ class ParamGroup:
         mp_policy: MixedPrecisionPolicy,
         offload_policy: OffloadPolicy,
         name: str,
-        tp: Any = None,
+        tp: TensorParallelPlan | None = None,
+        config: GroupConfig | None = None,
+        forward_users: int = 1,
     ) -> None:
         self.layout = layout
-        self.tp = tp  # a TensorParallelPlan when parameters are TP DTensors (2-D), else None
+        self.tp = tp
         self.state = state
-        self.holders = holders
         self.mesh = mesh
         self.comm = comm
         self.replicate_comm = replicate_comm
@@ -84,15 +114,18 @@ class ParamGroup:
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.name = name
+        self.config = GroupConfig() if config is None else config
         for c in (comm, replicate_comm, sub_comm):
             if isinstance(c, ScopedComm):
                 c.name = name  # collective errors name the group (schedule.py)
-        self._set_layout(layout)
-        self.params: list[nn.Parameter] = [
-            nn.Parameter(self.dtensor(state.local(i), i), requires_grad=rg)
-            for i, rg in enumerate(requires_grad)
-        ]
-        self.requires_grad = tuple(requires_grad)
+        placements, specs = self._dtensor_specs(layout)
+        self.sharded_params: tuple[ShardedParam, ...] = tuple(
+            ShardedParam(i, s, h, bool(rg), pl, ds, state.local(i))
+            for i, (s, h, rg, pl, ds) in enumerate(
+                zip(layout.specs, holders, requires_grad, placements, specs)
+            )
+        )
+        self._index_params()
         self.register_sharded()
         # Caches (not state): the unsharded copy (buffer, views, gather in flight, the version
         # of the shards it was gathered from), the post-forward rows and their version. Any
@@ -100,38 +133,132 @@ class ParamGroup:
         # writeback) changes sharded_version() and makes that data stale.
         self._advise = huge_page_advisor()
         self.slot = GatherSlot(layout, device, self._advise)
-        self.full_outputs: tuple[torch.Tensor, ...] | None = None
-        self.post_forward: Any = None
+        self._post_forward_state: PostForwardState | None = None
         self._post_forward_version = -1
         self.pending_reduce: T.PendingReduce | None = None
-        self.reduce_chain = ReduceChain()  # the root shares one among its groups (lazy_init)
+        self.reduce_chain = ReduceChain()  # the root shares one among its groups (lazy init)
         self.accumulated: list[torch.Tensor | None] | None = None
         self.training_state = TrainingState.IDLE
         self.ran_post_backward = False
         # The AccumulateGrad node of a trained parameter (to tell autograd.grad from backward),
         # and whether a create_graph backward needs the full parameters for a double backward.
-        self._grad_accumulator: Any = None
+        self._grad_accumulator: Node | None = None
         self._abandoned: list[Any] = []  # in-flight work a failed step left (kept referenced)
         self.keep_for_double_backward = False
         # fully_shard([m1, m2]): the modules sharing this group, and how many finished forward.
-        self.forward_users = 1
+        self.forward_users = forward_users
         self.forward_done = 0
-        # Flags (FSDPModule setters).
-        self.reshard_after_forward: bool | int = True
-        self.reshard_after_backward = True
-        self.requires_gradient_sync = True
-        self.requires_all_reduce = True
-        self.divide_factor: float | None = None
-        self.force_sum = False
-        self.reduce_unused = False
-        # FSDP2 extension points (FSDPModule.set_all_reduce_hook / set_unshard_in_backward).
-        self.all_reduce_hook: Any = None
-        self.unshard_in_backward = True
-        self.allocate_from_process_group = False  # accepted FSDP2 hint; no effect (module.py)
-        self.reduce_scatter_max_input_buffers = 1  # accepted FSDP2 knobs; no effect (module.py)
-        self.separate_reduce_scatter_group = False
-        # Beyond FSDP2: compressed reduce-scatter (its residual lives in self.state).
-        self.grad_compression: GradCompression | None = None
+
+    # ------------------------------------------------------------------ parameters
+
+    def _index_params(self) -> None:
+        """Cache the tuples the per-step code reads (rebuilt when parameters are re-adopted)."""
+        sps = self.sharded_params
+        self._params = tuple(sp.sharded for sp in sps)
+        self._holders = tuple(sp.holders for sp in sps)
+        self._requires_grad = tuple(sp.requires_grad for sp in sps)
+        self._trains = any(self._requires_grad)
+
+    @property
+    def params(self) -> tuple[torch.nn.Parameter, ...]:
+        """The sharded ``DTensor`` parameters, in layout order (read-only)."""
+        return self._params
+
+    @property
+    def holders(self) -> tuple[Holders, ...]:
+        """Per parameter, the ``(module, attribute name)`` pairs that register it (read-only)."""
+        return self._holders
+
+    @property
+    def requires_grad(self) -> tuple[bool, ...]:
+        """Per parameter, whether it trains (read-only)."""
+        return self._requires_grad
+
+    def _dtensor_specs(
+        self, layout: GroupLayout
+    ) -> tuple[list[tuple[Placement, ...]], list[DTensorSpec]]:
+        """Each parameter's sharded placements and ``DTensor`` spec under ``layout``."""
+        hsdp = self.replicate_comm is not None
+        placements: list[tuple[Placement, ...]] = [
+            ((Replicate(), Shard(d)) if hsdp else (Shard(d),)) for d in layout.shard_dims
+        ]
+        specs = [
+            DTensorSpec(
+                self.mesh,
+                pl,
+                tensor_meta=TensorMeta(torch.Size(s.shape), _contiguous_stride(s.shape), s.dtype),
+            )
+            for s, pl in zip(layout.specs, placements)
+        ]
+        if self.tp is not None:  # TP parameters: DTensors on the full (dp, tp) mesh
+            placements, specs = self.tp.sharded_specs(layout, placements, specs)
+        return placements, specs
+
+    def _relayout(self, layout: GroupLayout) -> None:
+        """Take ``layout`` (new parameter dtypes) and each parameter's new spec."""
+        self.layout = layout
+        placements, specs = self._dtensor_specs(layout)
+        for sp, s, pl, ds in zip(self.sharded_params, layout.specs, placements, specs):
+            sp.relayout(s, pl, ds)
+
+    def dtensor(self, local: torch.Tensor, i: int) -> DTensor:
+        """Parameter ``i``'s local shard (or sharded gradient) as a ``DTensor`` on the mesh."""
+        return self.sharded_params[i].dtensor(local)
+
+    # ------------------------------------------------------------------ settings
+
+    def configure(self, **changes: Any) -> None:
+        """Replace :attr:`config` with ``changes`` applied (``FSDPModule.set_*``, lazy init).
+
+        Raises:
+            TypeError: a name is not a :class:`~.config.GroupConfig` field.
+        """
+        self.config = attrs.evolve(self.config, **changes)
+
+    def set_grad_compression(self, compression: GradCompression | None) -> None:
+        """Compress this group's reduce-scatter from now on (``None``: exact; drops the
+        residual). The reduction in flight finishes with the policy it started with."""
+        self.finish_reduce()
+        self.configure(grad_compression=compression)
+        if compression is None or not compression.error_feedback:
+            self.reset_residual()
+
+    def reset_residual(self) -> None:
+        """Start compressed reduction from a zero residual (after parameters are loaded:
+        docs/compression.md). A reduction in flight finishes first, so it cannot hand a
+        residual from before back afterwards."""
+        self.finish_reduce()
+        if self.state.residual is not None:
+            self.state = attrs.evolve(self.state, residual=None)
+
+    def use_custom_collectives(self, **kw: Any) -> None:
+        """Run the all-gather and/or reduce-scatter through FSDP2 ``AllGather`` /
+        ``ReduceScatter`` objects (``all_gather=`` / ``reduce_scatter=``; ``None`` restores the
+        built-in one). The sub-group all-gather takes the custom all-gather too (as FSDP2's)."""
+        for attr in ("comm", "sub_comm"):
+            c = getattr(self, attr)
+            if c is None or (attr == "sub_comm" and "all_gather" not in kw):
+                continue
+            ag = kw.get("all_gather", getattr(c, "all_gather_comm", None))
+            rs = kw.get("reduce_scatter", getattr(c, "reduce_scatter_comm", None))
+            if attr == "sub_comm":
+                rs = None
+            inner = unwrap(c)
+            wrapped = CustomCollectiveComm(inner, all_gather=ag, reduce_scatter=rs, name=self.name)
+            setattr(self, attr, inner if ag is None and rs is None else wrapped)
+        # A gather in flight went through the old communicator: drop it (it is waited first).
+        self.discard_pending()
+
+    def use_gather_codecs(self, layout: GroupLayout, slot: GatherSlot) -> None:
+        """All-gather through tensor-subclass codecs from now on (``fully_shard``, once):
+        ``layout`` describes their all-gather inputs, ``slot`` runs them."""
+        self.layout = layout
+        self.state = attrs.evolve(self.state, layout=layout)
+        self.slot = slot
+
+    def join_reduce_chain(self, chain: ReduceChain) -> None:
+        """Share the root's one reduction in flight (its lazy init)."""
+        self.reduce_chain = chain
 
     def summon_comm(self) -> Communicator:
         """The shard group's communicator for ``summon_full_params`` (tags of their own)."""
@@ -145,48 +272,45 @@ class ParamGroup:
         """The shared process-group communicators this group's collectives run on."""
         return [b for c in self.comms() if (b := base_comm(c)) is not None]
 
-    def _set_layout(self, layout: GroupLayout) -> None:
-        self.layout = layout
-        hsdp = self.replicate_comm is not None
-        self.placements = [
-            ((Replicate(), Shard(d)) if hsdp else (Shard(d),)) for d in layout.shard_dims
-        ]
-        self._specs = [
-            DTensorSpec(
-                self.mesh,
-                pl,
-                tensor_meta=TensorMeta(torch.Size(s.shape), _contiguous_stride(s.shape), s.dtype),
-            )
-            for s, pl in zip(layout.specs, self.placements)
-        ]
-        if self.tp is not None:  # TP parameters: DTensors on the full (dp, tp) mesh
-            self.placements, self._specs = self.tp.sharded_specs(
-                layout, self.placements, self._specs
-            )
-
     # ------------------------------------------------------------------ registration
-
-    def sharded_spec(self, i: int) -> DTensorSpec:
-        """Parameter ``i``'s sharded ``DTensor`` spec (mesh, placements, global shape)."""
-        return self._specs[i]
-
-    def dtensor(self, local: torch.Tensor, i: int) -> DTensor:
-        """Parameter ``i``'s local shard (or sharded gradient) as a ``DTensor`` on the mesh."""
-        return DTensor(local, self._specs[i], requires_grad=False)
 
     def register_sharded(self) -> None:
         """Put the sharded DTensor parameters on every holding module."""
-        for p, holders in zip(self.params, self.holders):
-            for m, n in holders:
+        for sp in self.sharded_params:  # ShardedParam.to_sharded, inlined: it runs per step
+            p = sp.sharded
+            for m, n in sp.holders:
                 m._parameters[n] = p
 
     def register_full(self, tensors: Sequence[torch.Tensor]) -> None:
         """Put full tensors (autograd outputs of the unshard) on every holding module."""
         if self.tp is not None:  # the module sees TP DTensors of the TP-local full tensors
             tensors = self.tp.wrap_full(tensors)
-        for t, holders in zip(tensors, self.holders):
-            for m, n in holders:
+        for t, sp in zip(tensors, self.sharded_params):  # ShardedParam.register, inlined
+            for m, n in sp.holders:
                 m._parameters[n] = t  # type: ignore[assignment]
+
+    def _set_outputs(self, outputs: Sequence[torch.Tensor] | None) -> None:
+        """Record this forward's full outputs on the parameters (``None``: forget them)."""
+        if outputs is None:
+            for sp in self.sharded_params:
+                sp.full = None
+        else:
+            for sp, t in zip(self.sharded_params, outputs):
+                sp.full = t
+
+    def _outputs(self) -> list[torch.Tensor] | None:
+        """This forward's full outputs, or ``None`` (the parameters get theirs together)."""
+        fulls = [sp.full for sp in self.sharded_params]
+        return None if not fulls or fulls[0] is None else fulls  # type: ignore[return-value]
+
+    def owns_full(self, i: int, t: Any) -> bool:
+        """Whether ``t`` is this group's own unsharded parameter ``i`` (a view or autograd output)."""
+        if not self.slot.live:
+            return False
+        views = self.views
+        return self.sharded_params[i].owns_full(t, views[i] if views else None) or (
+            self.tp is not None and self.tp.owns(i, t)
+        )
 
     def refresh_from_modules(self) -> None:
         """Re-adopt the parameters now on the modules (after ``_apply``, e.g. ``to_empty``).
@@ -194,31 +318,24 @@ class ParamGroup:
         Rebuilds the packed sharded buffer on the parameters' device and re-points every
         parameter's local tensor into it, so the all-gather input stays zero-copy.
         """
-        params: list[Any] = [holders[0][0]._parameters[holders[0][1]] for holders in self.holders]
+        current: list[Any] = [sp.registered() for sp in self.sharded_params]
         locals_: list[torch.Tensor] = [
-            p._local_tensor if isinstance(p, DTensor) else p for p in params
+            p._local_tensor if isinstance(p, DTensor) else p for p in current
         ]
         device = locals_[0].device if locals_ else self.device
         dtypes = [loc.dtype for loc in locals_]
         if any(d != s.dtype for d, s in zip(dtypes, self.layout.specs)):
             # module.to(dtype) (or another _apply cast) changed the parameters' dtype: train in it.
             specs = [attrs.evolve(s, dtype=d) for s, d in zip(self.layout.specs, dtypes)]
-            self._set_layout(layout_for(specs, self.layout.world_size, self.mp_policy))
+            self._relayout(layout_for(specs, self.layout.world_size, self.mp_policy))
         state = T.pack_locals(locals_, self.layout, self.state.rank, device=device)
         residual = self.state.residual
         self.state = state = attrs.evolve(
             state, residual=None if residual is None else residual.to(self.device)
         )
-        new_params = []
-        for i, p in enumerate(params):
-            if not isinstance(p, nn.Parameter) or not isinstance(p, DTensor):
-                p = nn.Parameter(
-                    self.dtensor(state.local(i), i), requires_grad=self.requires_grad[i]
-                )
-            else:
-                p._local_tensor = state.local(i)
-            new_params.append(p)
-        self.params = new_params
+        for sp, p in zip(self.sharded_params, current):
+            sp.adopt(p, state.local(sp.index))
+        self._index_params()
         self._grad_accumulator = None
         self.register_sharded()
         self.free()
@@ -238,7 +355,7 @@ class ParamGroup:
         """
         try:
             v = self.state.flat._version
-            for p in self.params:
+            for p in self._params:
                 v += p._version + p._local_tensor._version  # type: ignore[attr-defined]
         except RuntimeError:  # inference tensors have no version counter
             return -1
@@ -249,8 +366,8 @@ class ParamGroup:
         gathered before the latest write to the sharded parameters; return the shards' current
         :meth:`sharded_version` (read once: dropping reads and frees, it writes no shard)."""
         now = self.sharded_version()
-        if self.post_forward is not None and self._post_forward_version != now:
-            self.post_forward = None
+        if self._post_forward_state is not None and self._post_forward_version != now:
+            self._post_forward_state = None
         slot = self.slot
         if slot.pending is not None and slot.pending_version != now:
             self.discard_pending()
@@ -289,16 +406,17 @@ class ParamGroup:
         """Issue the all-gather (async) unless unsharded or already in flight. ``version``: the
         shards' version when the caller just dropped stale data (saves reading it again)."""
         now = self.drop_stale() if version is None else version
-        if self.post_forward is not None and self.sub_comm is not None:
-            self.slot.start(self.post_forward, self.sub_comm, version=self._post_forward_version)
+        if self._post_forward_state is not None and self.sub_comm is not None:
+            self.slot.start(
+                self._post_forward_state, self.sub_comm, version=self._post_forward_version
+            )
             return
         self.slot.start(
-            self._gather_source(), self.comm, version=now, direct=not self._keeps_gather_output()
+            self._gather_source(),
+            self.comm,
+            version=now,
+            direct=not self.config.keeps_gather_output,
         )
-
-    def _keeps_gather_output(self) -> bool:
-        raf = self.reshard_after_forward
-        return isinstance(raf, int) and not isinstance(raf, bool)
 
     def _gather_source(self) -> ShardedState:
         if self.offload and self.state.flat.device != self.device:
@@ -312,42 +430,43 @@ class ParamGroup:
         if self.slot.live:
             return
         self.start_unshard(now)
-        self.slot.wait(keep_output=self._keeps_gather_output())
-        self.post_forward = None
+        self.slot.wait(keep_output=self.config.keeps_gather_output)
+        self._post_forward_state = None
+
+    def unshard_onto_modules(self) -> None:
+        """Finish the all-gather and put the full parameters on the modules
+        (``FSDPModule.unshard``: they stay until resharded)."""
+        self.wait_unshard()
+        self.register_full(self.views)
 
     def free(self) -> None:
         """Free the unsharded buffer's storage (views saved by autograd stay valid objects)."""
         self.slot.free()
 
-    def reshard_after_forward_now(self, size: bool | int) -> None:
+    def _reshard_after_forward(self, size: bool | int) -> None:
         """Reshard after forward: fully (``True``), to a sub-group (``int``) or not (``False``)."""
         if size is False:
             return
         if size is not True and self.slot.output is not None:
-            self.post_forward = T.post_forward_from_gather(
+            self._post_forward_state = T.post_forward_from_gather(
                 self.layout, self.comm.rank, int(size), self.slot.output, self.state
             )
             self._post_forward_version = self.slot.version
         self.free()
 
+    def drop_unsharded(self) -> None:
+        """Forget every unsharded copy (gather in flight, buffer, post-forward rows): the
+        shards were just written (``summon_full_params``' writeback)."""
+        self.discard_pending()
+        self.free()
+        self._post_forward_state = None
+
     @traced("reshard")
     def reshard(self) -> None:
         """Drop every unsharded copy and register the sharded parameters (FSDP2's reshard)."""
-        self.discard_pending()
-        self.free()
-        self.post_forward = None
-        self.full_outputs = None
+        self.drop_unsharded()
+        self._set_outputs(None)
         self.register_sharded()
-
-    def owns_full(self, i: int, t: Any) -> bool:
-        """Whether ``t`` is this group's own unsharded parameter ``i`` (a view or autograd output)."""
-        if not self.slot.live:
-            return False
-        return (
-            (bool(self.views) and t is self.views[i])
-            or (self.full_outputs is not None and t is self.full_outputs[i])
-            or (self.tp is not None and self.tp.owns(i, t))
-        )
 
     def abandon_in_flight(self) -> None:
         """``reset_iter_state``: drop the collectives a failed step left in flight without
@@ -365,31 +484,112 @@ class ParamGroup:
         """Drop an all-gather that was prefetched but not used (it may now be stale)."""
         self.slot.discard()
 
-    # ------------------------------------------------------------------ gradients
+    # ------------------------------------------------------------------ phases (module hooks)
 
-    def enter_post_backward(self) -> None:
+    def start_iteration(self) -> None:
+        """The root's forward begins: no backward has reached this group in this iteration."""
+        self.ran_post_backward = False
+
+    def pre_forward(self, prefetch: Sequence[ParamGroup]) -> None:
+        """Unshard (consuming a prefetch), start the ``prefetch`` groups' all-gathers, and put
+        this forward's full parameters on the modules (autograd outputs whose backward reduces
+        the gradients). Nothing when another module of a ``fully_shard([m1, m2])`` group
+        already did it in this forward."""
+        if self.forward_users > 1 and self.training_state == TrainingState.FORWARD:
+            return
+        self.training_state = TrainingState.FORWARD
+        self.forward_done = 0
+        self.wait_unshard()
+        for g in prefetch:
+            g.start_unshard()
+        outputs = self._unsharded_outputs()
+        self._set_outputs(outputs)
+        self.register_full(outputs)
+
+    def _unsharded_outputs(self) -> tuple[torch.Tensor, ...]:
+        """Autograd-tracked full tensors for this forward (their backward reduces the
+        gradients); plain views of the buffer when nothing needs a gradient."""
+        if torch.is_grad_enabled() and self._trains:
+            return tuple(UnshardFn.apply(self, *self._params))
+        return tuple(v.view_as(v) for v in self.views)
+
+    def unshard_for_recompute(self) -> None:
+        """A forward inside backward (activation-checkpoint recompute): only make sure the
+        full parameters are on the modules (this forward's outputs, else the buffer's views)."""
+        self.wait_unshard()
+        outputs = self._outputs()
+        self.register_full(outputs if outputs is not None else self.views)
+
+    def post_forward(self, *, force_reshard: bool = False) -> None:
+        """A module of this group finished its forward; after the last one, reshard as
+        configured (fully with ``force_reshard``: the root with no backward to serve), put the
+        sharded parameters back on the modules and go idle."""
+        self.forward_done += 1
+        if self.forward_done < self.forward_users:
+            return
+        self._reshard_after_forward(True if force_reshard else self.config.reshard_after_forward)
+        # The sharded DTensors go back on the modules after every forward, also where the
+        # unsharded buffer stays for the backward (the root): model.parameters() are then
+        # always the tensors the optimizer, clipping, EMA and autograd.grad must see. FSDP2
+        # leaves the unsharded tensors registered, and those silently take local-only
+        # gradients and updates that are lost (docs/fsdp2_mapping.md).
+        self.register_sharded()
+        self.training_state = TrainingState.IDLE
+
+    def pre_backward(self) -> None:
+        """The backward reaches this group's outputs: all-gather again (unless
+        ``unshard_in_backward`` is off) and put this forward's full parameters back."""
+        self.training_state = TrainingState.PRE_BACKWARD
+        # set_unshard_in_backward(False): the backward does not read these parameters
+        # (e.g. an embedding); FSDP2 skips their all-gather (and its prefetch) in backward.
+        if self.config.unshard_in_backward:
+            self.wait_unshard()
+            outputs = self._outputs()
+            if outputs is not None:
+                self.register_full(outputs)
+
+    def prefetch_for_backward(self) -> None:
+        """Start the all-gather another group's backward prefetches (unless this group's
+        backward already ran or does not unshard)."""
+        if not self.ran_post_backward and self.config.unshard_in_backward:
+            self.start_unshard()
+
+    def unshard_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+        """:class:`~.autograd.UnshardFn`'s backward: reduce the full gradients into ``.grad``
+        (:meth:`post_backward`), or return them reduced while ``torch.autograd.grad`` runs."""
+        if self.gradients_captured():
+            # torch.autograd.grad(loss, params[, create_graph=True]): return the reduced
+            # gradients to autograd instead of accumulating them into .grad.
+            self._enter_post_backward()
+            out = reduce_differentiably(OwnReduction(self), grads)
+            self._after_returned_reduce(keep_full=torch.is_grad_enabled())
+            return tuple(out)
+        self.post_backward(grads)
+        return (None,) * len(grads)
+
+    def _enter_post_backward(self) -> None:
         """This group's backward has reached its parameters (a reduction follows)."""
         self.ran_post_backward = True
         self.training_state = TrainingState.POST_BACKWARD
 
-    def after_returned_reduce(self, keep_full: bool) -> None:
+    def _after_returned_reduce(self, keep_full: bool) -> None:
         """The gradients were reduced and returned to ``torch.autograd.grad``; ``keep_full``:
         a ``create_graph=True`` backward needs the full parameters for a double backward."""
         self.keep_for_double_backward = keep_full
-        if self.reshard_after_backward and not keep_full:
+        if self.config.reshard_after_backward and not keep_full:
             self.free()
             self.register_sharded()
 
     @traced("post_backward")
     def post_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Reduce (or accumulate, without sync) the full gradients; reshard after backward."""
-        self.enter_post_backward()
-        grads = [g if rg else None for g, rg in zip(grads, self.requires_grad)]
-        if self.reshard_after_backward:
+        self._enter_post_backward()
+        grads = [g if rg else None for g, rg in zip(grads, self._requires_grad)]
+        if self.config.reshard_after_backward:
             # The gradients are separate tensors: free the full parameters before packing them.
             self.free()
             self.register_sharded()
-        if not self.requires_gradient_sync:
+        if not self.config.requires_gradient_sync:
             rdtype = self.layout.grad_reduce_dtype()
             acc = self.accumulated or [None] * len(grads)
             self.accumulated = [
@@ -408,6 +608,49 @@ class ParamGroup:
                 self.reduce_chain.hand_over(self)
                 self.pending_reduce = self.begin_reduce(grads, self.state)
 
+    def finish_backward(self, is_last_backward: bool) -> None:
+        """The root's final callback: finish the reduction (the last backward of an
+        iteration; otherwise it overlaps the next micro-batch), reshard and go idle."""
+        if is_last_backward:
+            # Otherwise (FSDP2's set_is_last_backward(False), gradient accumulation) the
+            # reduction stays in flight, overlapping the next micro-batch; the group's next
+            # reduction or the last backward's callback finishes it.
+            self.finish_reduce()
+        self.discard_pending()
+        keep, self.keep_for_double_backward = self.keep_for_double_backward, False
+        if (self.config.reshard_after_backward or not self.ran_post_backward) and not keep:
+            # (A create_graph backward keeps the full parameters: the double backward's
+            # graph reads them. The next forward reuses them, or a reshard frees them.)
+            self.free()
+        self.register_sharded()
+        self._set_outputs(None)
+        self._post_forward_state = None
+        self.training_state = TrainingState.IDLE
+
+    def reset_iter_state(self) -> None:
+        """``reset_iter_state``: abandon in-flight work, drop the failed iteration's
+        unsharded gradients (no-sync), reshard and go idle."""
+        self.abandon_in_flight()
+        self.accumulated = None
+        self.ran_post_backward = False
+        self.forward_done = 0
+        self.free()
+        self.register_sharded()
+        self._set_outputs(None)
+        self._post_forward_state = None
+        self.training_state = TrainingState.IDLE
+
+    def enter_summon(self) -> None:
+        """``summon_full_params`` opens over this group."""
+        self.training_state = TrainingState.SUMMON_FULL_PARAMS
+
+    def exit_summon(self) -> None:
+        """``summon_full_params`` closes: the sharded parameters are back, the group is idle."""
+        self.register_sharded()
+        self.training_state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------ gradients
+
     @traced("post_backward_reduce")
     def begin_reduce(
         self,
@@ -418,40 +661,55 @@ class ParamGroup:
         all_reduce: bool | None = None,
     ) -> T.PendingReduce:
         """Issue the reduce-scatter of ``grads`` into ``sharded`` with this group's settings."""
+        cfg = self.config
         pending = T.begin_reduce(
             grads,
             sharded,
             self.comm,
             replicate_comm=self.replicate_comm,
-            divide_factor=self.divide_factor,
-            force_sum=self.force_sum,
-            all_reduce=self.requires_all_reduce if all_reduce is None else all_reduce,
-            reduce_unused=self.reduce_unused,
+            divide_factor=cfg.divide_factor,
+            force_sum=cfg.force_sum,
+            all_reduce=cfg.requires_all_reduce if all_reduce is None else all_reduce,
+            reduce_unused=cfg.reduce_unused,
             async_op=async_op,
             alloc=self._alloc_advised,
-            compression=self.grad_compression,
+            compression=cfg.grad_compression,
         )
-        if self.all_reduce_hook is None:
+        if cfg.all_reduce_hook is None:
             return pending
         return with_all_reduce_hook(
-            pending, self.all_reduce_hook, bases=self.base_comms(), name=self.name
+            pending, cfg.all_reduce_hook, bases=self.base_comms(), name=self.name
         )
 
-    def set_grad_compression(self, compression: GradCompression | None) -> None:
-        """Compress this group's reduce-scatter from now on (``None``: exact; drops the
-        residual). The reduction in flight finishes with the policy it started with."""
-        self.finish_reduce()
-        self.grad_compression = compression
-        if compression is None or not compression.error_feedback:
-            self.reset_residual()
+    def trained(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """``grads`` with ``None`` for the frozen parameters."""
+        return [g if rg else None for g, rg in zip(grads, self._requires_grad)]
 
-    def reset_residual(self) -> None:
-        """Start compressed reduction from a zero residual (after parameters are loaded:
-        docs/compression.md). A reduction in flight finishes first, so it cannot hand a
-        residual from before back afterwards."""
-        self.finish_reduce()
-        if self.state.residual is not None:
-            self.state = attrs.evolve(self.state, residual=None)
+    def reduce_now(
+        self, grads: Sequence[torch.Tensor | None], sharded: ShardedState, *, keep_residual: bool
+    ) -> list[torch.Tensor | None]:
+        """Reduce-scatter ``grads`` into ``sharded`` and wait: this rank's reduced shards
+        (``None`` where no gradient). ``keep_residual``: the shards are the group's own, so
+        the compression residual the reduction returns becomes the group's."""
+        pending = self.begin_reduce(grads, sharded, async_op=False, all_reduce=True)
+        new = T.finish_reduce(pending, accumulate=False)
+        if keep_residual:
+            self.state = attrs.evolve(self.state, residual=new.residual)
+        return [new.local_grad(i) for i in range(len(self.layout))]
+
+    def sharded_grads(self, locals_: Sequence[torch.Tensor | None]) -> tuple[DTensor | None, ...]:
+        """Reduced local shards as sharded ``DTensor`` gradients (``None`` kept)."""
+        return tuple(
+            None if loc is None else sp.dtensor(loc)
+            for sp, loc in zip(self.sharded_params, locals_)
+        )
+
+    def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        """All-gather sharded cotangents of reduced gradients into full tensors (the adjoint
+        of the reduction, for a double backward)."""
+        locals_ = [c._local_tensor if isinstance(c, DTensor) else c for c in cotangents]
+        state = T.pack_locals(locals_, self.layout, self.state.rank, device=self.device)
+        return T.unshard(state, self.comm).params
 
     def gradients_captured(self) -> bool:
         """Whether the running backward is ``torch.autograd.grad`` (which returns gradients to
@@ -466,14 +724,14 @@ class ParamGroup:
             return True
         return False
 
-    def _find_grad_accumulator(self) -> Any:
+    def _find_grad_accumulator(self) -> Node | None:
         """The ``AccumulateGrad`` node of a trained parameter, found through a view of it.
 
         ``DTensor`` refuses the view of an empty global shape (a ``(0, n)`` parameter): the
         largest parameters are tried first, so an empty one beside others never decides.
         """
         trains = sorted(
-            (p for p in self.params if p.requires_grad), key=lambda p: p.numel(), reverse=True
+            (p for p in self._params if p.requires_grad), key=lambda p: p.numel(), reverse=True
         )
         for p in trains:
             with torch.enable_grad():  # backward runs without grad mode: record the view
@@ -503,8 +761,102 @@ class ParamGroup:
         self.state = attrs.evolve(self.state, partial=new.partial, residual=new.residual)
         if new.grads is None:
             return
-        current = [None if p.grad is None else p.grad._local_tensor for p in self.params]  # type: ignore[attr-defined]
+        current = [sp.grad_local() for sp in self.sharded_params]
         grads = T.accumulate_local_grads(new, current, donate=True)
-        for i, (p, g, prev) in enumerate(zip(self.params, grads, current)):
-            if g is not None and g is not prev:
-                p.grad = self.dtensor(g, i)
+        for sp, g, prev in zip(self.sharded_params, grads, current):
+            sp.land_grad(g, prev)
+
+    # ------------------------------------------------------------------ copies
+
+    def clone(self, holders: Sequence[Holders]) -> ParamGroup:
+        """An independent copy of this idle group for ``copy.deepcopy``: its own sharded buffer
+        (cloned), parameters registered on ``holders`` (the copied modules), the same mesh and
+        communicators (process-group handles, not state), the reduction settings, and copies
+        of the unsharded (no-sync) and sharded gradients."""
+        offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
+        settings = {k: getattr(self.config, k) for k in _COPIED_SETTINGS}
+        new = ParamGroup(
+            self.layout,
+            _copy_record(self.state),
+            holders,
+            self._requires_grad,
+            mesh=self.mesh,
+            comm=self.comm,
+            replicate_comm=self.replicate_comm,
+            sub_comm=self.sub_comm,
+            device=self.device,
+            mp_policy=self.mp_policy,
+            offload_policy=offload,
+            name=self.name,
+            tp=self.tp,
+            config=GroupConfig(**settings),
+            forward_users=self.forward_users,
+        )
+        if self.accumulated is not None:
+            new.accumulated = [a.clone() if a is not None else None for a in self.accumulated]
+        for old_p, new_p in zip(self._params, new._params):
+            if old_p.grad is not None:
+                new_p.grad = old_p.grad.detach().clone()
+        return new
+
+
+def _copy_record(state: ShardedState) -> ShardedState:
+    grads = None
+    if state.grads is not None:
+        grads = tuple(g.clone() if g is not None else None for g in state.grads)
+    partial = state.partial.clone() if state.partial is not None else None
+    return attrs.evolve(state, flat=state.flat.clone(), grads=grads, partial=partial)
+
+
+class ReduceChain:
+    """The one gradient reduction in flight among a root's groups, as FSDP2 keeps one
+    reduce-scatter input buffer (``reduce_scatter_max_input_buffers=1``): a group starting its
+    reduction first finishes the previous group's, so at most one group's full-size reduce
+    buffers are alive at a time (33 groups otherwise pile them up until the end of backward).
+
+    Attributes:
+        group: the group whose reduction is in flight (or last was), else ``None``.
+    """
+
+    __slots__ = ("group",)
+
+    def __init__(self) -> None:
+        self.group: ParamGroup | None = None
+
+    def hand_over(self, group: ParamGroup) -> None:
+        """Finish the reduction in flight of another group; ``group`` issues the next one."""
+        prev, self.group = self.group, group
+        if prev is not None and prev is not group:
+            prev.finish_reduce()
+
+
+class OwnReduction:
+    """The module path's gradients returned to ``torch.autograd.grad``: the reduction of the
+    group's own shards, recorded through :class:`~.autograd.ReduceFn` (so a
+    ``create_graph=True`` backward can differentiate it); the group keeps managing its own
+    unsharded copy.
+
+    Attributes:
+        group: the group.
+        sharded: the group's record when the backward reached it (the reduction's layout).
+        create_graph: set by :func:`~.autograd.reduce_differentiably`.
+    """
+
+    __slots__ = ("create_graph", "group", "sharded")
+
+    def __init__(self, group: ParamGroup) -> None:
+        self.group = group
+        self.sharded = group.state
+        self.create_graph = False
+
+    def reduce(self, grads: Sequence[torch.Tensor | None]) -> tuple[DTensor | None, ...]:
+        """Reduce-scatter full gradients; the sharded gradients as ``DTensor`` s."""
+        g = self.group
+        grads = g.trained(grads)
+        if not any(gr is not None for gr in grads):
+            return (None,) * len(grads)
+        return g.sharded_grads(g.reduce_now(grads, self.sharded, keep_residual=True))
+
+    def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        """The adjoint of :meth:`reduce` (an all-gather)."""
+        return self.group.gather_cotangents(cotangents)

@@ -74,24 +74,24 @@ def readopt_replaced(
     Raises:
         LayoutMismatchError: a replacement's global shape differs from the parameter's.
     """
-    slots = [holders[0][0]._parameters.get(holders[0][1]) for holders in group.holders]
     replaced = [
-        i
-        for i, (slot, p) in enumerate(zip(slots, group.params))
-        if slot is not p and not (parameters_only and not isinstance(slot, nn.Parameter))
+        sp
+        for sp in group.sharded_params
+        if (slot := sp.registered()) is not sp.sharded
+        and not (parameters_only and not isinstance(slot, nn.Parameter))
     ]
     if not replaced:
         return False
-    for i in replaced:
-        mod, name = group.holders[i][0]
+    for sp in replaced:
+        mod, name = sp.holders[0]
         new = mod._parameters.get(name)
-        ref: Any = group.params[i]
+        ref: Any = sp.sharded
         if new is None:
             mod._parameters[name] = ref
             continue
         if _same_sharding(new, ref):
             continue
-        local = _local_for(new, ref, group, i, why)
+        local = _local_for(new, ref, group, sp.index, why)
         dt = DTensor.from_local(
             local,
             ref.device_mesh,
@@ -102,7 +102,7 @@ def readopt_replaced(
         )
         if warn_new_objects:
             warnings.warn(
-                f"{why}: {group.layout.specs[i].fqn!r} of {group.name!r} is not a DTensor with "
+                f"{why}: {sp.fqn!r} of {group.name!r} is not a DTensor with "
                 f"the placements {tuple(ref.placements)}; it was sharded into a new parameter "
                 "object, so an optimizer built before this forward does not train it. Build "
                 "the optimizer after the first forward, or assign nn.Parameter("
@@ -111,7 +111,7 @@ def readopt_replaced(
                 stacklevel=2,
             )
         mod._parameters[name] = nn.Parameter(dt, requires_grad=ref.requires_grad)
-    current = [h[0][0]._parameters[h[0][1]] for h in group.holders]
+    current = [sp.registered() for sp in group.sharded_params]
     locals_ = [p._local_tensor if isinstance(p, DTensor) else p for p in current]
     if not any(t is not None and t.is_meta for t in locals_):
         group.refresh_from_modules()

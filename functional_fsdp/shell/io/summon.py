@@ -284,7 +284,7 @@ class _Summoned:
 
     def _open(self) -> None:
         g = self.group
-        g.training_state = TrainingState.SUMMON_FULL_PARAMS
+        g.enter_summon()
         self.opened = True
         source = self._source()
         params: Sequence[torch.Tensor] = T.unshard(source, g.summon_comm()).params
@@ -312,9 +312,8 @@ class _Summoned:
         if g.tp is None:
             g.register_full(fulls)
         else:  # plain global tensors, not the TP DTensors of a forward
-            for t, holders in zip(fulls, g.holders):
-                for m, n in holders:
-                    m._parameters[n] = t
+            for sp, t in zip(g.sharded_params, fulls):
+                sp.register(t)
 
     def _gather_grads(self, source: ShardedState) -> list[torch.Tensor | None]:
         """All-gather the sharded gradients; ``None`` where no rank has one (FSDP1's rule)."""
@@ -344,8 +343,7 @@ class _Summoned:
                 self._commit(current)
         finally:
             self.fulls = []
-            g.register_sharded()
-            g.training_state = TrainingState.IDLE
+            g.exit_summon()
         if backward_ran:
             raise StateError(
                 f"a forward or backward of {g.name!r} ran inside summon_full_params; the edits were "
@@ -356,9 +354,8 @@ class _Summoned:
         """The full tensors now on the modules (the user may have replaced them)."""
         g = self.group
         out: list[torch.Tensor] = []
-        for holders, spec, full in zip(g.holders, self.layout.specs, self.fulls):
-            mod, name = holders[0]
-            t = mod._parameters.get(name)
+        for sp, spec, full in zip(g.sharded_params, self.layout.specs, self.fulls):
+            t = sp.registered()
             if t is None:
                 t = full
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != _full_shape(spec):
@@ -385,9 +382,7 @@ class _Summoned:
             if grads is not None:
                 self._set_grads(grads)
         # Cached unsharded data is stale now: the next forward all-gathers the new shards.
-        g.discard_pending()
-        g.free()
-        g.post_forward = None
+        g.drop_unsharded()
 
     def _sharded_grads(
         self, current: Sequence[torch.Tensor], fp_state: ShardedState
