@@ -1,9 +1,20 @@
-"""A real multi-process gloo world for tests: spawned once per test module, many cases inside.
+"""A real multi-process gloo world for tests: spawned once per session, many cases inside.
 
 ``World(n).run(fn, *args)`` runs the module-level function ``fn(*args)`` on every rank (with the
 default process group initialised on 127.0.0.1 at a free port) and returns the per-rank results.
 A case that fails on any rank tears the world down (so no rank can hang in a collective) and the
 next case starts a fresh one. Every wait is bounded.
+
+The worlds live for the whole session (``world2``/``world4`` in ``conftest.py``), so a case must
+leave them as it found them:
+
+- Every case starts alike, whatever ran before it in the same processes: the torch seed is 0,
+  and the environment, default dtype and grad mode it changed are restored afterwards.
+- A case that returns with collectives still in flight fails, naming them, and the world is
+  replaced: a wait it abandoned (a thread blocked in ``Work.wait()``) or a collective posted on
+  the default group by some ranks only. Left there, gloo's own timeout would close the
+  connection a minute later, in the middle of an unrelated case ("Connection reset by peer").
+  A case that breaks a step on purpose ends it as a user would, with ``reset_iter_state()``.
 """
 
 from __future__ import annotations
@@ -12,17 +23,99 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 CASE_TIMEOUT_S = float(os.environ.get("FFSDP_TEST_CASE_TIMEOUT", "180"))
+CHECK_GRACE_S = 5.0  # for the works of a finished case to complete
+PROBE_TIMEOUT_S = 30.0
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _case(fn: Callable[..., Any], args: tuple) -> Any:
+    """``fn(*args)`` from the same starting state as in a fresh process; the state it changed
+    is put back."""
+    import torch
+
+    env = dict(os.environ)
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+    torch.manual_seed(0)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+        if os.environ != env:
+            os.environ.clear()
+            os.environ.update(env)
+
+
+def _blocked_waits(grace_s: float) -> list[str]:
+    """Threads of this process still blocked in ``Work.wait()`` on an incomplete work (after
+    ``grace_s`` for them to finish): a wait a case abandoned. gloo's own timeout ends it later
+    by closing the connection, which breaks whatever case runs then."""
+    import sys
+    import threading
+
+    import torch.distributed as dist
+
+    def blocked() -> dict[int, str]:
+        frames = sys._current_frames()
+        out = {}
+        for t in threading.enumerate():
+            frame = frames.get(t.ident) if t is not threading.main_thread() else None
+            if frame is None:
+                continue
+            for v in list(frame.f_locals.values()):
+                if isinstance(v, dist.Work) and not v.is_completed():
+                    where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+                    out[t.ident] = f"thread {t.name!r} waits in {frame.f_code.co_name} ({where})"
+        return out
+
+    deadline = time.monotonic() + grace_s
+    found = blocked()
+    while found and time.monotonic() < deadline:
+        time.sleep(0.05)
+        found = blocked()
+    return sorted(found.values())
+
+
+def _probe(timeout_s: float) -> list[str]:
+    """One all-reduce on the default group, bounded: it completes with the right sum only when
+    no rank has a collective of an earlier case still posted there."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        t = torch.ones(1)
+        work = dist.all_reduce(t, async_op=True)
+        deadline = time.monotonic() + timeout_s
+        while not work.is_completed():
+            if time.monotonic() > deadline:
+                return [
+                    f"a probe all-reduce on the default group did not complete in {timeout_s} s"
+                ]
+            time.sleep(0.001)
+        work.wait()
+    except Exception as e:  # a connection closed by a peer's timed-out collective
+        return [f"a probe all-reduce on the default group failed: {e}"]
+    if t.item() != dist.get_world_size():
+        return [
+            f"a probe all-reduce on the default group paired with another collective ({t.item()})"
+        ]
+    return []
+
+
+def _leftovers() -> list[str]:
+    """What the last case left in flight on this rank (nothing in a clean world)."""
+    return _blocked_waits(CHECK_GRACE_S) + _probe(PROBE_TIMEOUT_S)
 
 
 def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
@@ -43,9 +136,12 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
             item = inbox.get()
             if item is None:
                 break
+            if item == "check":
+                outbox.put((rank, True, _leftovers()))
+                continue
             fn, args = item
             try:
-                outbox.put((rank, True, fn(*args)))
+                outbox.put((rank, True, _case(fn, args)))
             except BaseException:
                 outbox.put((rank, False, traceback.format_exc()))
     finally:
@@ -82,29 +178,62 @@ class World:
             p.start()
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = CASE_TIMEOUT_S) -> list[Any]:
-        """Run ``fn(*args)`` on every rank; return results by rank, or raise :class:`RankError`."""
+        """Run ``fn(*args)`` on every rank; return results by rank, or raise :class:`RankError`.
+
+        The world is torn down (the next case starts a fresh one) when the case fails or times
+        out on any rank, when a rank dies, when the case leaves collectives in flight, and when
+        the caller is interrupted mid-case (e.g. by pytest-timeout)."""
         if not self._procs:
             self._start()
-        for q in self._inboxes:
-            q.put((fn, args))
-        results: dict[int, Any] = {}
-        failures: dict[int, str] = {}
         try:
-            while len(results) + len(failures) < self.world_size:
-                rank, ok, value = self._outbox.get(timeout=timeout)
-                (results if ok else failures)[rank] = value
-                if failures:
-                    break
-        except queue.Empty:
+            for q in self._inboxes:
+                q.put((fn, args))
+            answers = self._collect(timeout, what=fn.__name__)
+            failures = {r: tb for r, (ok, tb) in answers.items() if not ok}
+            if failures:
+                text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+                raise RankError(f"{fn.__name__} failed:\n{text}")
+            for q in self._inboxes:
+                q.put("check")
+            left = sorted(
+                (r, what)
+                for r, (_, found) in self._collect(timeout, "the check").items()
+                for what in found
+            )
+            if left:
+                text = "\n".join(f"rank {r}: {what}" for r, what in left)
+                raise RankError(
+                    f"{fn.__name__} returned on every rank but left collectives in flight. The "
+                    "world is shared by the whole session: gloo's timeout would close the "
+                    "connection later, under another case. End a step the case breaks on "
+                    f"purpose (reset_iter_state() on every rank):\n{text}"
+                )
+        except BaseException:
             self.close(force=True)
-            raise RankError(
-                f"{fn.__name__}: timed out after {timeout}s; ranks done: {sorted(results)}"
-            ) from None
-        if failures:
-            self.close(force=True)
-            text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-            raise RankError(f"{fn.__name__} failed:\n{text}")
-        return [results[r] for r in range(self.world_size)]
+            raise
+        return [answers[r][1] for r in range(self.world_size)]
+
+    def _collect(self, timeout: float, what: str) -> dict[int, tuple[bool, Any]]:
+        """One answer per rank (``(ok, value)``), or :class:`RankError` as soon as one rank
+        fails or dies, or after ``timeout`` seconds."""
+        answers: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(answers) < self.world_size:
+            try:
+                rank, ok, value = self._outbox.get(timeout=0.5)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    raise RankError(f"{what}: rank(s) exited (rank, exit code): {dead}") from None
+                if time.monotonic() > deadline:
+                    raise RankError(
+                        f"{what}: timed out after {timeout}s; ranks done: {sorted(answers)}"
+                    ) from None
+                continue
+            answers[rank] = (ok, value)
+            if not ok:
+                break
+        return answers
 
     def close(self, *, force: bool = False) -> None:
         """Stop every rank (terminate them when ``force`` or when they do not exit in time)."""

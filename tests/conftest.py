@@ -34,9 +34,9 @@ def _deterministic_seed() -> None:
     torch.manual_seed(0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def world2():
-    """A real 2-rank gloo world shared by every case of one test module."""
+    """A real 2-rank gloo world shared by every case of the session."""
     from _dist import World
 
     w = World(2)
@@ -44,9 +44,9 @@ def world2():
     w.close()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def world4():
-    """A real 4-rank gloo world shared by every case of one test module."""
+    """A real 4-rank gloo world shared by every case of the session."""
     from _dist import World
 
     w = World(4)

@@ -1,14 +1,14 @@
 """The functional API over 2 gloo ranks: the training step, interop, checkpoints.
 
-One 2-rank world is spawned for the module; every case is a module-level function run on both
-ranks (``World.run``), with bounded waits. The model is a small GPT sharded FSDP2-style (each of
-its 4 blocks, then the root: 5 groups). torch.func is tested in ``test_functional_torch_func.py``.
+The session's 2-rank world (``world2``) runs every case: each is a module-level function run
+on both ranks (``World.run``), with bounded waits. The model is a small GPT sharded FSDP2-style
+(each of its 4 blocks, then the root: 5 groups). torch.func is tested in
+``test_functional_torch_func.py``.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -34,11 +34,9 @@ from _functional_helpers import (
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[World]:
-    w = World(2)
-    yield w
-    w.close()
+@pytest.fixture
+def world(world2: World) -> World:
+    return world2
 
 
 def _case_step_matches_shell_and_single_process(opt_name: str, steps: int) -> dict[str, Any]:

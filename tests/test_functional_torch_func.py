@@ -4,7 +4,6 @@ per row."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,11 +21,9 @@ from _functional_helpers import (
 pytestmark = pytest.mark.multiprocess
 
 
-@pytest.fixture(scope="module")
-def world() -> Iterator[World]:
-    w = World(2)
-    yield w
-    w.close()
+@pytest.fixture
+def world(world2: World) -> World:
+    return world2
 
 
 def _case_func_grad_equals_backward() -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """The core transitions over real gloo process groups agree with the simulated world.
 
-One 2-rank and one 4-rank world are spawned for the module. Each case runs the same per-rank
+The session's 2-rank and 4-rank worlds run the cases. Each case runs the same per-rank
 function twice: in the workers with :class:`~functional_fsdp.shell.comm.process_group.ProcessGroupComm`
 (default strategy and ``"native"``), and in this process with a
 :class:`~functional_fsdp.testing.SimulatedWorld`. Gathers must agree bit for bit, float32

@@ -8,7 +8,7 @@ reduce-scatter rounding (~1e-7); Newton-Schulz in bfloat16 can turn that into a 
 an update entry, so the parameters are compared within ``E2E_TOL`` of the size of the update
 (measured: exact in our runs), where torch.optim.Muon on the same shards is off by ~30%.
 
-Each world runs all of its cases in one call (the worlds are spawned once per module).
+Each world runs all of its cases in one call (the worlds are spawned once per session).
 """
 
 from __future__ import annotations
