@@ -201,10 +201,6 @@ class ParamGroup:
         for sp, s, pl, ds in zip(self.sharded_params, layout.specs, placements, specs):
             sp.relayout(s, pl, ds)
 
-    def dtensor(self, local: torch.Tensor, i: int) -> DTensor:
-        """Parameter ``i``'s local shard (or sharded gradient) as a ``DTensor`` on the mesh."""
-        return self.sharded_params[i].dtensor(local)
-
     # ------------------------------------------------------------------ settings
 
     def configure(self, **changes: Any) -> None:
