@@ -11,7 +11,10 @@ tensors. Models (``--model``):
   compute each, so per-group overhead (hooks, autograd Functions, messages) dominates.
 
     python benchmarks/bench_step.py [--model deep] [--steps 12] [--rounds 2]
-        [--variants floor,fsdp2,ours,ddp] [--compile]
+        [--variants floor,fsdp2,ours,ddp,repro] [--compile]
+
+``repro``: ours with ``ReproduciblePolicy(virtual_world_size=world size)`` on every group (the
+cost of bit-identical training at any world size: docs/reproducibility.md).
 """
 
 from __future__ import annotations
@@ -73,14 +76,19 @@ def _build(variant: str, cfg: GPTConfig, raf: bool | None) -> torch.nn.Module:
     variant = _use_tree(variant)
     torch.manual_seed(0)
     model = GPT(cfg)
-    if variant in ("ours", "fsdp2"):
-        if variant == "ours":
-            from functional_fsdp import fully_shard
-        else:
+    if variant in ("ours", "fsdp2", "repro"):
+        kw: dict = {}
+        if variant == "fsdp2":
             from torch.distributed.fsdp import fully_shard
+        else:
+            from functional_fsdp import ReproduciblePolicy, fully_shard
+
+            if variant == "repro":  # one micro-batch per rank: V = the world size
+                ws = dist.get_world_size() if dist.is_initialized() else 1
+                kw["reproducible"] = ReproduciblePolicy(virtual_world_size=ws)
         for b in model.blocks:
-            fully_shard(b, reshard_after_forward=raf)
-        fully_shard(model, reshard_after_forward=raf)
+            fully_shard(b, reshard_after_forward=raf, **kw)
+        fully_shard(model, reshard_after_forward=raf, **kw)
     elif variant == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
     return model

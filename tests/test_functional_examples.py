@@ -60,3 +60,10 @@ def test_float8_all_gather_example_runs() -> None:
     assert "float8 under functional_fsdp == float8 under torch FSDP2, bit for bit: True" in out
     fewer = float(out.split("KiB (")[1].split("x fewer")[0])
     assert fewer > 2.5, out
+
+
+def test_reproducible_example_prints_equal_hashes() -> None:
+    """examples/07_reproducible.py: the same run on 1 and 2 spawned ranks, equal state hashes
+    with ReproduciblePolicy."""
+    out = _run("07_reproducible.py", "--steps", "2")
+    assert "with ReproduciblePolicy        equal on 1 and 2 ranks: True" in out, out

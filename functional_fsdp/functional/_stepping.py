@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointError
 
 from ..core.errors import StepInputError, UnsupportedError
-from ..shell import DeferredReductions
+from ..core.reproducible import ReproduciblePolicy
+from ..shell import DeferredReductions, TreeReductions
 
 __all__ = ["Accumulated", "accumulate_grads"]
 
@@ -131,8 +132,10 @@ def accumulate_grads(
     batch: Any,
     grad_accum: int,
     has_aux: bool,
+    reproducible: ReproduciblePolicy | None = None,
 ) -> Accumulated:
-    """Run forward and backward per micro-batch on ``params``; sum the local gradient shards."""
+    """Run forward and backward per micro-batch on ``params``; sum the local gradient shards
+    (with ``reproducible``: in the canonical tree, reduced once after the last micro-batch)."""
     trainable_set = set(trainable)
     subs = {n: _leaf(t, n in trainable_set) for n, t in params.items()}
     inputs = [subs[n] for n in trainable]
@@ -140,7 +143,11 @@ def accumulate_grads(
     caller = _LossCaller(model, loss_fn)
     # Reductions overlap the rest of backward; their results are read after wait().
     deferred = DeferredReductions()
-    deferred.tag(inputs)
+    tree = None if reproducible is None else TreeReductions(reproducible)
+    if tree is not None:
+        tree.tag(list(subs.values()))
+    else:
+        deferred.tag(inputs)
     acc: list[torch.Tensor] | None = None
     loss_sum = torch.zeros(())
     auxes: list[Any] = []
@@ -151,6 +158,8 @@ def accumulate_grads(
             auxes.append(pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), aux))
         grads = _backward(model, loss / grad_accum if grad_accum > 1 else loss, inputs, deferred)
         del loss, aux  # drop the graph (and the packed shards its gathers kept) now
+        if tree is not None:
+            continue  # the gradients are in the tree
         locals_ = [
             _local(g) if g is not None else torch.zeros_like(_local(x))
             for g, x in zip(grads, inputs)
@@ -159,5 +168,9 @@ def accumulate_grads(
             acc = locals_
         else:
             torch._foreach_add_(acc, locals_)
+    if tree is not None:
+        reduced = tree.finish()
+        acc = [reduced.get(id(x), None) for x in inputs]
+        acc = [g if g is not None else torch.zeros_like(_local(x)) for g, x in zip(acc, inputs)]
     assert acc is not None
     return Accumulated(acc, loss_sum, auxes)

@@ -164,8 +164,15 @@ class StepNorms:
         names: their names.
     """
 
-    def __init__(self, params: Sequence[Any], names: Sequence[str]) -> None:
+    def __init__(
+        self, params: Sequence[Any], names: Sequence[str], *, canonical: bool = False
+    ) -> None:
         self.names = list(names)
+        # ReproduciblePolicy: the norm of canonical_global_norm (the same bits on every world
+        # size), over the gradients as DTensors with the parameters' specs.
+        self._specs = (
+            [p._spec if isinstance(p, DTensor) else None for p in params] if canonical else None
+        )
         comms: dict[Any, Communicator] = {}
         keys: list[Any] = []
         self.groups: list[tuple[_Comms, list[int]]] = []
@@ -190,12 +197,19 @@ class StepNorms:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(global grad norm, loss summed over the data-parallel ranks / their count)``."""
         first = self.loss_comms[0] if self.loss_comms else None
-        norm, loss = norm_by_groups(grads, self.groups, extra=loss_sum, extra_comm=first)
-        assert loss is not None
+        if self._specs is not None:
+            norm = self._canonical(grads)
+            loss = loss_sum.float().clone()
+            for c in self.loss_comms:
+                c.all_reduce(loss)
+            self._cache = ([id(g) for g in grads], norm)
+            return norm, loss / self.dp_size
+        norm, summed = norm_by_groups(grads, self.groups, extra=loss_sum, extra_comm=first)
+        assert summed is not None
         for c in self.loss_comms[1:]:
-            c.all_reduce(loss)
+            c.all_reduce(summed)
         self._cache = ([id(g) for g in grads], norm)
-        return norm, loss / self.dp_size
+        return norm, summed / self.dp_size
 
     def norm_fn(self, tree: Any) -> torch.Tensor:
         """``global_norm_fn`` for :func:`~.transforms.clip_by_global_norm` inside the step.
@@ -211,7 +225,18 @@ class StepNorms:
         locals_ = [tree[n] for n in self.names]
         if self._cache is not None and self._cache[0] == [id(t) for t in locals_]:
             return self._cache[1]
+        if self._specs is not None:
+            return self._canonical(locals_)
         return norm_by_groups(locals_, self.groups)[0]
+
+    def _canonical(self, locals_: Sequence[torch.Tensor]) -> torch.Tensor:
+        assert self._specs is not None
+        return canonical_global_norm(
+            [
+                t if spec is None else DTensor(t, spec, requires_grad=False)
+                for t, spec in zip(locals_, self._specs)
+            ]
+        )
 
 
 # ------------------------------------------------------------------------------ reproducible

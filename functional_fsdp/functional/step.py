@@ -42,7 +42,9 @@ from ..core.errors import (
     DonatedStateError,
     HyperparameterError,
     OptimizerStateError,
+    ReproducibilityError,
 )
+from ..core.reproducible import ReproduciblePolicy
 from ..shell import FSDPModule
 from ._pytrees import register_everywhere
 from ._stepping import Accumulated, accumulate_grads
@@ -321,6 +323,32 @@ def _apply(
     return TrainState(new_params, new_opt, new_step)
 
 
+def _reproducible(
+    model: nn.Module, policy: Any, grad_accum: int, params: dict[str, Any]
+) -> ReproduciblePolicy | None:
+    """The step's policy (given, or the model's groups'), checked against ``grad_accum``."""
+    if policy is None:
+        state = getattr(model, "_ffsdp_state", None)
+        group = getattr(state, "group", None)
+        policy = None if group is None else group.config.reproducible
+    if policy is None:
+        return None
+    if not isinstance(policy, ReproduciblePolicy):
+        raise ArgumentTypeError(
+            f"reproducible must be a functional_fsdp.ReproduciblePolicy, got {type(policy).__name__}"
+        )
+    mesh = next((p.device_mesh for p in params.values() if isinstance(p, DTensor)), None)
+    per_rank = policy.micro_batches_per_rank(1 if mesh is None else mesh.size())
+    if grad_accum != per_rank:
+        raise ReproducibilityError(
+            f"make_train_step: grad_accum={grad_accum}, but ReproduciblePolicy("
+            f"virtual_world_size={policy.virtual_world_size}) runs {per_rank} micro-batches per "
+            f"rank on this data-parallel world; pass grad_accum={per_rank} and each rank's "
+            f"{per_rank} micro-batches (policy.micro_batches(rank, world_size)) as its batch"
+        )
+    return policy
+
+
 def make_train_step(
     model: nn.Module,
     loss_fn: LossFn,
@@ -330,6 +358,7 @@ def make_train_step(
     has_aux: bool = False,
     max_grad_norm: float | None = None,
     donate: bool = False,
+    reproducible: ReproduciblePolicy | None = None,
 ) -> TrainStep:
     """Build ``step(state, batch) -> (state, metrics)`` for a module sharded with ``fully_shard``.
 
@@ -358,6 +387,11 @@ def make_train_step(
         donate: like JAX's ``donate_argnums``: the step updates the input state's parameters
             and moments in place, saving one copy of them per step. The input state is consumed:
             using it again raises :class:`~functional_fsdp.core.errors.DonatedStateError`.
+        reproducible: a :class:`~functional_fsdp.ReproduciblePolicy` (default: the one the
+            model's groups were sharded with, if any): the micro-batch gradients are summed in
+            its canonical tree and the norm is ``canonical_global_norm``, so the step gives the
+            same bits on every world size dividing ``V`` (and as the module path);
+            ``grad_accum`` must be ``V / N`` (``docs/reproducibility.md``).
 
     Returns:
         The step function. ``metrics``: ``"loss"`` (the mean loss over the micro-batches and
@@ -373,13 +407,14 @@ def make_train_step(
     names = [n for n, _ in model.named_parameters()]
     trainable = _trainable(model)
     own = dict(model.named_parameters())
-    norms = StepNorms([own[n] for n in trainable], trainable)
+    policy = _reproducible(model, reproducible, grad_accum, own)
+    norms = StepNorms([own[n] for n in trainable], trainable, canonical=policy is not None)
     del own
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         _check_state(state, names)
         acc: Accumulated = accumulate_grads(
-            model, loss_fn, state.params, trainable, batch, grad_accum, has_aux
+            model, loss_fn, state.params, trainable, batch, grad_accum, has_aux, policy
         )
         local_loss = acc.loss_sum / grad_accum
         norm, loss = norms.norm_and_loss(acc.grads, local_loss)

@@ -29,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "UnshardHandle": ".api.module",
     "share_comm_ctx": ".api.module",
     "DeferredReductions": ".engine.functional_path",
+    "TreeReductions": ".engine.reproducible",
     "ProcessGroupComm": ".comm.process_group",
     "summon_full_params": ".io.summon",
     "save_checkpoint": ".io.checkpoint",

@@ -16,6 +16,7 @@ from ...core.codec import has_hooks
 from ...core.errors import AlreadyShardedError, MeshError, PolicyError, TiedParameterError
 from ...core.layout import check_sub_group_size
 from ...core.records import MixedPrecisionPolicy, OffloadPolicy, ParamSpec
+from ...core.reproducible import ReproduciblePolicy
 from ...core.transitions import shard_tensors
 from ..comm.process_group import ProcessGroupComm
 from ..comm.scoped import scoped
@@ -48,6 +49,7 @@ def fully_shard(
     offload_policy: Any = None,
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
+    reproducible: ReproduciblePolicy | None = None,
 ) -> Any:
     """Shard ``module``'s parameters across the data-parallel ranks of ``mesh`` (FSDP2's API).
 
@@ -70,6 +72,9 @@ def fully_shard(
         dp_mesh_dims: FSDP2's SPMD form (``DataParallelMeshDims(shard=..., replicate=...)``):
             ``mesh`` is then the full mesh and every parameter a ``DTensor`` on it with
             ``Replicate()`` on the named data-parallel dims (which must lead the mesh).
+        reproducible: beyond FSDP2: a :class:`~functional_fsdp.ReproduciblePolicy`: gradients
+            summed in one canonical tree, bit-identical on every world size that divides its
+            virtual world size (the same policy to every call; ``docs/reproducibility.md``).
 
     With tensor parallelism, parameters that are already ``DTensor`` s on a TP mesh (from
     ``parallelize_module(model, world["tp"], plan)``) are sharded over ``mesh=world["dp"]``
@@ -95,6 +100,7 @@ def fully_shard(
         mesh, dp_names = resolve_dp_mesh_dims(mesh, dp_mesh_dims)
     mesh = _resolve_mesh(mesh, modules)
     raf = _validate_reshard(reshard_after_forward, mesh.size(-1))
+    _validate_reproducible(reproducible, mesh)
     ignored = set(ignored_params or ())
     name = type(modules[0]).__name__
 
@@ -105,13 +111,27 @@ def fully_shard(
             params, fqns, mesh, spmd_mesh=spmd_mesh, dp_names=dp_names, raf=raf, name=name
         )
         users = len(modules)  # fully_shard([m1, m2]): the modules forwarding through it
+        config = GroupConfig(reshard_after_forward=raf, reproducible=reproducible)
         group = _build_group(
-            params, holders, fqns, mesh, raf, shard_placement_fn, mp, offload, name, tp, users
+            params, holders, fqns, mesh, config, shard_placement_fn, mp, offload, name, tp, users
         )
         for p in params:
             setattr(p, _OWNER_ATTR, name)
     _attach(modules, group, mp, name, reshard_after_forward)
     return module
+
+
+def _validate_reproducible(policy: Any, mesh: DeviceMesh) -> None:
+    """A :class:`ReproduciblePolicy` whose virtual world size the data-parallel ranks of
+    ``mesh`` divide (raised before any collective)."""
+    if policy is None:
+        return
+    if not isinstance(policy, ReproduciblePolicy):
+        raise PolicyError(
+            f"reproducible must be a functional_fsdp.ReproduciblePolicy or None, got "
+            f"{type(policy).__name__}"
+        )
+    policy.micro_batches_per_rank(mesh.size())
 
 
 def _modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
@@ -262,7 +282,7 @@ def _build_group(
     holders: dict[int, list[tuple[nn.Module, str]]],
     fqns: dict[int, str],
     mesh: DeviceMesh,
-    raf: bool | int,
+    config: GroupConfig,
     shard_placement_fn: Callable | None,
     mp: MixedPrecisionPolicy,
     offload: OffloadPolicy,
@@ -294,6 +314,7 @@ def _build_group(
         import attrs
 
         state = attrs.evolve(state, flat=flat)
+    raf = config.reshard_after_forward
     # Each group gets its own scoped view of the shared communicators (the schedule check).
     comm = scoped(ProcessGroupComm.for_mesh(mesh, -1))
     rep = scoped(ProcessGroupComm.for_mesh(mesh, 0)) if mesh.ndim == 2 else None
@@ -316,7 +337,7 @@ def _build_group(
         offload_policy=offload,
         name=name,
         tp=tp,
-        config=GroupConfig(reshard_after_forward=raf),
+        config=config,
         forward_users=users,
     )
     adopt_codecs(group, templates, mesh, raf)

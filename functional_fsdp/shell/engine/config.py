@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from ...core.compression import GradCompression
+from ...core.reproducible import ReproduciblePolicy
 
 __all__ = ["GroupConfig"]
 
@@ -47,6 +48,8 @@ class GroupConfig:
         separate_reduce_scatter_group: FSDP2's knob; accepted, no effect here.
         grad_compression: beyond FSDP2: the compressed reduce-scatter, or ``None`` for the exact
             one (``set_gradient_compression``; its residual lives in the group's record).
+        reproducible: beyond FSDP2: the :class:`ReproduciblePolicy` its gradients are reduced
+            under (``fully_shard(reproducible=...)``), or ``None``.
     """
 
     reshard_after_forward: bool | int = True
@@ -62,6 +65,20 @@ class GroupConfig:
     reduce_scatter_max_input_buffers: int = 1
     separate_reduce_scatter_group: bool = False
     grad_compression: GradCompression | None = None
+    reproducible: ReproduciblePolicy | None = None
+
+    def conflicts_with_reproducible(self) -> list[str]:
+        """The settings that change a reduction's sums, which the policy cannot order."""
+        return [
+            what
+            for what, on in (
+                ("set_gradient_compression", self.grad_compression is not None),
+                ("set_gradient_divide_factor", self.divide_factor is not None),
+                ("set_force_sum_reduction_for_comms", self.force_sum),
+                ("set_all_reduce_hook", self.all_reduce_hook is not None),
+            )
+            if on
+        ]
 
     @property
     def keeps_gather_output(self) -> bool:

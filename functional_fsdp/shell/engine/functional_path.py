@@ -48,6 +48,7 @@ from ...core.records import ShardedState
 from .gather import GatherSlot
 from .group import ParamGroup
 from .param import ShardedParam
+from .reproducible import TreeReductions
 
 __all__ = [
     "DeferredReductions",
@@ -194,7 +195,9 @@ class GatherCall:
         "prev",
         "sharded",
         "slot",
+        "source_ids",
         "sources",
+        "tree",
     )
 
     def __init__(self, group: ParamGroup, forward: FunctionalForward | None) -> None:
@@ -206,6 +209,10 @@ class GatherCall:
         self.slot: GatherSlot | None = None
         self.prefetch: Prefetch | None = None
         self.deferred: DeferredReductions | None = None
+        # ReproduciblePolicy in the functional step: the sources' TreeReductions (and their
+        # identities, which name where each reduced gradient goes).
+        self.tree: TreeReductions | None = None
+        self.source_ids: tuple[int, ...] = ()
         self.is_root = False
         # Set by a backward run with create_graph=True: the reduction is recorded for double
         # backward (its adjoint is an all-gather) and the full parameters stay for it.
@@ -236,6 +243,9 @@ class GatherCall:
         tags = [getattr(s, DeferredReductions.ATTR, None) for s in sources]
         if tags and all(t is tags[0] for t in tags):
             self.deferred = tags[0]
+        trees = [getattr(s, TreeReductions.ATTR, None) for s in sources]
+        if trees and trees[0] is not None and all(t is trees[0] for t in trees):
+            self.tree, self.source_ids = trees[0], tuple(id(s) for s in sources)
         with torch._C._DisableFuncTorch():
             # Plain tensors only (the sources were unwrapped): a torch.func transform must not
             # see the collective's writes into this call's buffer as mutations of its inputs.
@@ -275,6 +285,11 @@ class GatherCall:
         if g.config.reshard_after_backward and not self.create_graph:
             self.free()
         if not any(gr is not None for gr in grads):
+            return (None,) * len(grads)
+        if self.tree is not None and not self.create_graph:
+            # The canonical tree: accumulated here, reduced once by the step after its last
+            # micro-batch (TreeReductions.finish); autograd gets no gradient now.
+            self.tree.push(g, self.sharded, self.source_ids, grads)
             return (None,) * len(grads)
         deferred = None if self.create_graph else self.deferred
         if deferred is not None:

@@ -30,6 +30,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ...core import transitions as T
 from ...core.comm import Communicator
 from ...core.compression import GradCompression
+from ...core.errors import ReproducibilityError
 from ...core.records import (
     CPUOffloadPolicy,
     GroupLayout,
@@ -38,6 +39,7 @@ from ...core.records import (
     PostForwardState,
     ShardedState,
 )
+from ...core.reproducible import PendingTreeReduce, finish_tree_reduce
 from ..comm.custom import CustomCollectiveComm, base_comm, unwrap, with_all_reduce_hook
 from ..comm.process_group import ProcessGroupComm
 from ..comm.scoped import ScopedComm
@@ -48,6 +50,7 @@ from .gather import GatherSlot
 from .group_common import TrainingState, _contiguous_stride, layout_for, traced
 from .memory import huge_page_advisor
 from .param import Holders, ShardedParam
+from .reproducible import TreeAccumulator, install_step_check
 
 __all__ = ["OwnReduction", "ParamGroup", "ReduceChain", "TrainingState", "layout_for"]
 
@@ -115,6 +118,12 @@ class ParamGroup:
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.name = name
         self.config = GroupConfig() if config is None else config
+        # ReproduciblePolicy: this step's micro-batch gradients, summed in the canonical tree.
+        self.tree: TreeAccumulator | None = None
+        if self.config.reproducible is not None:
+            dp = comm.world_size * (1 if replicate_comm is None else replicate_comm.world_size)
+            self.tree = TreeAccumulator(self.config.reproducible, dp, name)
+            install_step_check()
         for c in (comm, replicate_comm, sub_comm):
             if isinstance(c, ScopedComm):
                 c.name = name  # collective errors name the group (schedule.py)
@@ -135,7 +144,7 @@ class ParamGroup:
         self.slot = GatherSlot(layout, device, self._advise)
         self._post_forward_state: PostForwardState | None = None
         self._post_forward_version = -1
-        self.pending_reduce: T.PendingReduce | None = None
+        self.pending_reduce: T.PendingReduce | PendingTreeReduce | None = None
         self.reduce_chain = ReduceChain()  # the root shares one among its groups (lazy init)
         self.accumulated: list[torch.Tensor | None] | None = None
         self.training_state = TrainingState.IDLE
@@ -208,8 +217,17 @@ class ParamGroup:
 
         Raises:
             TypeError: a name is not a :class:`~.config.GroupConfig` field.
+            ReproducibilityError: a setting the group's ``ReproduciblePolicy`` cannot keep
+                bit-identical (nothing is changed then).
         """
-        self.config = attrs.evolve(self.config, **changes)
+        new = attrs.evolve(self.config, **changes)
+        if new.reproducible is not None and (bad := new.conflicts_with_reproducible()):
+            raise ReproducibilityError(
+                f"group {self.name!r} reduces under ReproduciblePolicy, whose sums "
+                f"{', '.join(bad)} would change (and make them depend on the world size); "
+                "drop that setting, or shard without reproducible="
+            )
+        self.config = new
 
     def set_grad_compression(self, compression: GradCompression | None) -> None:
         """Compress this group's reduce-scatter from now on (``None``: exact; drops the
@@ -585,7 +603,13 @@ class ParamGroup:
             # The gradients are separate tensors: free the full parameters before packing them.
             self.free()
             self.register_sharded()
-        if not self.config.requires_gradient_sync:
+        if self.tree is not None:
+            # The canonical tree: accumulate whatever the sync flag says; reduce once per step.
+            if self.tree.push(grads, self.layout):
+                self.finish_reduce()
+                self.reduce_chain.hand_over(self)
+                self.pending_reduce = self.tree.begin(self.state, self.comm, self.replicate_comm)
+        elif not self.config.requires_gradient_sync:
             rdtype = self.layout.grad_reduce_dtype()
             acc = self.accumulated or [None] * len(grads)
             self.accumulated = [
@@ -628,6 +652,8 @@ class ParamGroup:
         unsharded gradients (no-sync), reshard and go idle."""
         self.abandon_in_flight()
         self.accumulated = None
+        if self.tree is not None:
+            self.tree.reset()
         self.ran_post_backward = False
         self.forward_done = 0
         self.free()
@@ -687,6 +713,9 @@ class ParamGroup:
         """Reduce-scatter ``grads`` into ``sharded`` and wait: this rank's reduced shards
         (``None`` where no gradient). ``keep_residual``: the shards are the group's own, so
         the compression residual the reduction returns becomes the group's."""
+        if self.tree is not None:  # torch.autograd.grad on the module path, one micro-batch
+            new = self.tree.reduce_one(grads, sharded, self.comm, self.replicate_comm)
+            return [new.local_grad(i) for i in range(len(self.layout))]
         pending = self.begin_reduce(grads, sharded, async_op=False, all_reduce=True)
         new = T.finish_reduce(pending, accumulate=False)
         if keep_residual:
@@ -753,7 +782,10 @@ class ParamGroup:
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is None:
             return
-        new = T.finish_reduce(pending, accumulate=False)
+        if isinstance(pending, PendingTreeReduce):
+            new = finish_tree_reduce(pending, accumulate=False)
+        else:
+            new = T.finish_reduce(pending, accumulate=False)
         self.state = attrs.evolve(self.state, partial=new.partial, residual=new.residual)
         if new.grads is None:
             return

@@ -1,0 +1,352 @@
+"""Reproducible at any scale, end to end on gloo: with ``ReproduciblePolicy`` a small GPT trained
+with AdamW and clipping has the same parameters, gradients' norms and optimizer state, bit for
+bit, on 1, 2 and 4 ranks, in 1-D and HSDP, in fp32 and bf16 mixed precision, with and without
+no-sync accumulation, and after resuming a checkpoint at another world size.
+
+One 4-rank world runs every case: ``N = 2`` runs as two independent 2-rank worlds (ranks
+{0, 1} and {2, 3}) and ``N = 1`` as four one-rank worlds, each training the whole run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.multiprocess
+
+V = 4  # virtual micro-batches per step; N = 1, 2, 4 divide it
+STEPS = 3
+
+
+def _cfg() -> Any:
+    from functional_fsdp.testing.models import GPTConfig
+
+    return GPTConfig(vocab=64, dim=32, n_layers=2, n_heads=2, seq=16)
+
+
+def _mesh(n_dp: int, hsdp: bool) -> tuple[Any, int]:
+    """This rank's data-parallel mesh of ``n_dp`` ranks and its data-parallel rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ws = dist.get_world_size()
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+        return mesh, dist.get_rank()  # dp rank = replica * shards + shard
+    mesh = init_device_mesh("cpu", (ws // n_dp, n_dp), mesh_dim_names=("copies", "dp"))["dp"]
+    return mesh, mesh.get_local_rank()
+
+
+def _model(mesh: Any, bf16: bool, policy: Any) -> Any:
+    from functional_fsdp import MixedPrecisionPolicy, fully_shard
+    from functional_fsdp.testing.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(_cfg())
+    mp = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy()
+    )
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh, mp_policy=mp, reproducible=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reproducible=policy)
+    return model
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: ``V`` micro-batches of 2 sequences."""
+    g = torch.Generator().manual_seed(1000 + step)
+    data = torch.randint(0, _cfg().vocab, (V, 2, _cfg().seq + 1), generator=g)
+    return data[..., :-1], data[..., 1:]
+
+
+def _steps(
+    model: Any, opt: Any, policy: Any, dp_rank: int, n_dp: int, steps: range, no_sync: bool
+) -> list[torch.Tensor]:
+    from functional_fsdp import clip_grad_norm_
+
+    norms = []
+    mine = list(policy.micro_batches(dp_rank, n_dp))
+    for step in steps:
+        x, y = _batch(step)
+        for j, k in enumerate(mine):
+            if no_sync:
+                model.set_requires_gradient_sync(j == len(mine) - 1)
+            (model.loss(x[k], y[k]) / len(mine)).backward()
+        norms.append(clip_grad_norm_(model.parameters(), 0.05))
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def _snapshot(model: Any, opt: Any, norms: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {f"param/{n}": p.detach().full_tensor() for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            out[f"{key}/{names[id(p)]}"] = st[key].full_tensor()
+    out.update({f"norm/{i}": n for i, n in enumerate(norms)})
+    return out
+
+
+def _train(n_dp: int, hsdp: bool, bf16: bool, no_sync: bool) -> dict[str, torch.Tensor]:
+    from functional_fsdp import ReproduciblePolicy
+
+    policy = ReproduciblePolicy(virtual_world_size=V)
+    mesh, dp_rank = _mesh(n_dp, hsdp)
+    model = _model(mesh, bf16, policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    norms = _steps(model, opt, policy, dp_rank, n_dp, range(STEPS), no_sync)
+    return _snapshot(model, opt, norms)
+
+
+def _train_resumed(n_first: int, n_then: int, path: str) -> dict[str, torch.Tensor]:
+    """``STEPS - 1`` steps at ``n_first`` ranks, a checkpoint, the last step at ``n_then``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from functional_fsdp import ReproduciblePolicy, load_checkpoint, save_checkpoint
+
+    policy = ReproduciblePolicy(virtual_world_size=V)
+    mesh, dp_rank = _mesh(n_first, False)
+    model = _model(mesh, False, policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    norms = _steps(model, opt, policy, dp_rank, n_first, range(STEPS - 1), False)
+    msd, osd = get_state_dict(model, opt)
+    # Each independent copy of the n_first-rank run saves its own checkpoint; all load copy 0's.
+    copy = torch.distributed.get_rank() // n_first
+    save_checkpoint({"model": msd, "optim": osd}, f"{path}/{copy}", process_group=mesh.get_group())
+    torch.distributed.barrier()
+    mesh, dp_rank = _mesh(n_then, False)
+    model = _model(mesh, False, policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    load_checkpoint(state, f"{path}/0", process_group=mesh.get_group())
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    norms += _steps(model, opt, policy, dp_rank, n_then, range(STEPS - 1, STEPS), False)
+    return _snapshot(model, opt, norms)
+
+
+def _train_plain(n_dp: int) -> dict[str, torch.Tensor]:
+    """The same run without the policy (what FSDP2 does)."""
+    mesh, dp_rank = _mesh(n_dp, False)
+    from functional_fsdp import fully_shard
+    from functional_fsdp.testing.models import GPT
+
+    torch.manual_seed(0)
+    model = GPT(_cfg())
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    k = V // n_dp
+    for step in range(STEPS):
+        x, y = _batch(step)
+        for j in range(dp_rank * k, (dp_rank + 1) * k):
+            (model.loss(x[j], y[j]) / k).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+    return {f"param/{n}": p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    assert a.keys() == b.keys()
+    return {
+        k: (a[k].double() - b[k].double()).abs().max().item()
+        for k in a
+        if not torch.equal(a[k], b[k])
+    }
+
+
+def _all_equal(results: list[dict[str, torch.Tensor]], reference: dict[str, torch.Tensor]) -> None:
+    for r, res in enumerate(results):
+        diff = _differences(res, reference)
+        assert not diff, f"rank {r} differs from one rank: {diff}"
+
+
+@pytest.mark.parametrize(("bf16", "no_sync"), [(False, False), (False, True), (True, False)])
+def test_one_two_and_four_ranks_train_to_the_same_bits(
+    world4: Any, bf16: bool, no_sync: bool
+) -> None:
+    one = world4.run(_train, 1, False, bf16, no_sync)
+    _all_equal(one[1:], one[0])  # four independent one-rank runs agree (sanity)
+    _all_equal(world4.run(_train, 2, False, bf16, no_sync), one[0])
+    _all_equal(world4.run(_train, 4, False, bf16, no_sync), one[0])
+
+
+def test_hsdp_two_by_two_trains_to_the_bits_of_one_rank(world4: Any) -> None:
+    one = world4.run(_train, 1, False, False, True)[0]
+    _all_equal(world4.run(_train, 4, True, False, True), one)
+
+
+def test_resuming_at_another_world_size_continues_bit_identically(
+    world4: Any, tmp_path: Any
+) -> None:
+    uninterrupted = world4.run(_train, 1, False, False, False)[0]
+    _all_equal(world4.run(_train_resumed, 4, 2, str(tmp_path / "a")), uninterrupted)
+    _all_equal(world4.run(_train_resumed, 2, 4, str(tmp_path / "b")), uninterrupted)
+
+
+def test_without_the_policy_the_world_size_shows_in_the_bits(world4: Any) -> None:
+    """What the policy fixes: the same run without it differs between 1 and 2 ranks (as torch
+    FSDP2's does: the accumulation ((g0 + g1) + g2) + g3 on one rank against
+    (g0 + g1) + (g2 + g3) on two), so the tests above are not vacuous."""
+    one = world4.run(_train_plain, 1)[0]
+    two = world4.run(_train_plain, 2)[0]
+    assert _differences(two, one), "the plain run happened to be identical; pick other data"
+
+
+def _train_functional(n_dp: int, clip: bool) -> dict[str, torch.Tensor]:
+    """The functional step (make_train_step) under the policy: each rank's V/N micro-batches
+    are its batch, grad_accum = V/N."""
+    from functional_fsdp import ReproduciblePolicy
+    from functional_fsdp.functional import adamw, chain, clip_by_global_norm, init, make_train_step
+
+    policy = ReproduciblePolicy(virtual_world_size=V)
+    mesh, dp_rank = _mesh(n_dp, False)
+    model = _model(mesh, False, policy)
+    opt = adamw(1e-2, weight_decay=0.1)
+    if clip:
+        opt = chain(clip_by_global_norm(0.05), opt)
+    mine = list(policy.micro_batches(dp_rank, n_dp))
+    step = make_train_step(model, lambda m, b: m.loss(*b), opt, grad_accum=len(mine))
+    state = init(model, opt)
+    norms = []
+    for s in range(STEPS):
+        x, y = _batch(s)
+        batch = (x[mine].reshape(-1, x.shape[-1]), y[mine].reshape(-1, y.shape[-1]))
+        state, metrics = step(state, batch)
+        norms.append(metrics["grad_norm"])
+    out = {f"param/{n}": p.full_tensor() for n, p in state.params.items()}
+    out.update({f"norm/{i}": n for i, n in enumerate(norms)})
+    return out
+
+
+def _train_module_no_clip(n_dp: int) -> dict[str, torch.Tensor]:
+    from functional_fsdp import ReproduciblePolicy
+
+    policy = ReproduciblePolicy(virtual_world_size=V)
+    mesh, dp_rank = _mesh(n_dp, False)
+    model = _model(mesh, False, policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    mine = list(policy.micro_batches(dp_rank, n_dp))
+    for step in range(STEPS):
+        x, y = _batch(step)
+        for k in mine:
+            (model.loss(x[k], y[k]) / len(mine)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {f"param/{n}": p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def test_the_functional_step_gives_the_same_bits_on_every_world_size(world4: Any) -> None:
+    one = world4.run(_train_functional, 1, True)[0]
+    _all_equal(world4.run(_train_functional, 2, True), one)
+    _all_equal(world4.run(_train_functional, 4, True), one)
+
+
+def test_the_functional_step_gives_the_bits_of_the_module_path(world4: Any) -> None:
+    """Without clipping (the functional clip_by_global_norm scales as optax does, torch's
+    clip_grad_norm_ as torch does): make_train_step equals loss.backward() + torch AdamW."""
+    functional = world4.run(_train_functional, 2, False)[0]
+    module = world4.run(_train_module_no_clip, 2)[0]
+    params = {k: v for k, v in functional.items() if k.startswith("param/")}
+    assert not _differences(params, module)
+
+
+def _tree_reduce_on_gloo(n: int, seed: int) -> list[torch.Tensor]:
+    """The core's reproducible reduction over a real gloo group of ``n`` ranks."""
+    from functional_fsdp.core.reduction import pack_grads
+    from functional_fsdp.core.reproducible import tree_reduce
+    from functional_fsdp.core.transitions import shard
+    from functional_fsdp.shell import ProcessGroupComm
+
+    mesh, rank = _mesh(n, False)
+    comm = ProcessGroupComm(mesh.get_group())
+    g = torch.Generator().manual_seed(seed + rank)
+    grads = [torch.randn(7, 3, generator=g), torch.randn(5, generator=g)]
+    state = shard([torch.zeros(7, 3), torch.zeros(5)], world_size=n, rank=comm.rank)
+    new = tree_reduce(pack_grads(grads, state.layout), state, comm, present=[True, True])
+    return [new.local_grad(i) for i in range(2)]
+
+
+def test_the_simulated_world_replays_the_gloo_reduction_bit_for_bit(world4: Any) -> None:
+    """A distributed reduction replayed in one process: SimulatedWorld(4) gives the bits of
+    four gloo processes."""
+    from functional_fsdp.testing import SimulatedWorld
+
+    real = world4.run(_tree_reduce_on_gloo, 4, 11)
+    world = SimulatedWorld(4)
+
+    def body(comm: Any) -> list[torch.Tensor]:
+        from functional_fsdp.core.reduction import pack_grads
+        from functional_fsdp.core.reproducible import tree_reduce
+        from functional_fsdp.core.transitions import shard
+
+        g = torch.Generator().manual_seed(11 + comm.rank)
+        grads = [torch.randn(7, 3, generator=g), torch.randn(5, generator=g)]
+        state = shard([torch.zeros(7, 3), torch.zeros(5)], world_size=4, rank=comm.rank)
+        new = tree_reduce(pack_grads(grads, state.layout), state, comm, present=[True, True])
+        return [new.local_grad(i) for i in range(2)]
+
+    simulated = world.run(body)
+    for r in range(4):
+        assert all(torch.equal(a, b) for a, b in zip(real[r], simulated[r]))
+
+
+def _misuse() -> list[str]:
+    """Every misuse of the policy raises ReproducibilityError, before any collective."""
+    import torch.distributed as dist
+
+    from functional_fsdp import ReproduciblePolicy, fully_shard
+    from functional_fsdp.core.errors import ReproducibilityError
+
+    seen = []
+    mesh, rank = _mesh(dist.get_world_size(), False)
+    policy = ReproduciblePolicy(virtual_world_size=8)  # 2 micro-batches per rank on 4
+    try:
+        fully_shard(torch.nn.Linear(4, 4), mesh=mesh, reproducible=ReproduciblePolicy(2))
+    except ReproducibilityError as e:
+        seen.append("fully_shard: " + str(e).split(":")[0])
+    model = _model(mesh, False, policy)
+    for setter, args in (
+        ("set_gradient_divide_factor", (2.0,)),
+        ("set_all_reduce_hook", (lambda t: None,)),
+        ("set_force_sum_reduction_for_comms", (True,)),
+    ):
+        try:
+            getattr(model, setter)(*args)
+        except ReproducibilityError:
+            seen.append(setter)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = _batch(0)
+    (model.loss(x[rank], y[rank]) / 2).backward()  # 1 of 2 micro-batches
+    try:
+        opt.step()
+    except ReproducibilityError as e:
+        seen.append("step after 1 of 2: " + ("exactly 2" in str(e)) * "named")
+    (model.loss(x[(rank + 1) % V], y[(rank + 1) % V]) / 2).backward()
+    opt.step()  # complete: fine
+    opt.zero_grad()
+    model.reset_iter_state()
+    try:
+        torch.autograd.grad(model.loss(x[0], y[0]), list(model.parameters()))
+    except ReproducibilityError:
+        seen.append("autograd.grad")
+    model.reset_iter_state()
+    return seen
+
+
+def test_misuse_raises_named_errors_on_every_rank(world4: Any) -> None:
+    for seen in world4.run(_misuse):
+        assert seen == [
+            "fully_shard: ReproduciblePolicy(virtual_world_size=2) on 4 data-parallel ranks",
+            "set_gradient_divide_factor",
+            "set_all_reduce_hook",
+            "set_force_sum_reduction_for_comms",
+            "step after 1 of 2: named",
+            "autograd.grad",
+        ], seen
