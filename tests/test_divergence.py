@@ -228,24 +228,51 @@ def _recover_then_exit(rank: int, port: int, kind: str, out: Any) -> None:
 
 
 GLOO_TIMEOUT_S = 8
+_EXIT_KINDS = ["exception_in_forward_on_one_rank", "different_submodules"]
 
 
-@pytest.mark.parametrize("kind", ["exception_in_forward_on_one_rank", "different_submodules"])
-def test_a_recovered_process_exits_cleanly(kind: str) -> None:
+@pytest.fixture(scope="module")
+def recovered_runs(request: pytest.FixtureRequest) -> Any:
+    """The 2-rank processes of every selected ``kind`` of
+    :func:`test_a_recovered_process_exits_cleanly`, all started at once on first use: each
+    mostly sleeps past its gloo timeout, so the kinds' naps overlap. Killed at the end."""
+    import multiprocessing as mp
+
+    from _dist import free_ports
+
+    name = "test_a_recovered_process_exits_cleanly"
+    kinds = [
+        item.callspec.params["kind"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == name and item.module is request.module
+    ]
+    ctx = mp.get_context("spawn")
+    runs = {}
+    try:
+        for kind, port in zip(kinds, free_ports(len(kinds))):
+            out = ctx.Queue()
+            procs = [
+                ctx.Process(target=_recover_then_exit, args=(r, port, kind, out)) for r in (0, 1)
+            ]
+            for p in procs:
+                p.start()
+            runs[kind] = (procs, out)
+        yield runs
+    finally:
+        for procs, _ in runs.values():
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=10)
+
+
+@pytest.mark.parametrize("kind", _EXIT_KINDS)
+def test_a_recovered_process_exits_cleanly(kind: str, recovered_runs: Any) -> None:
     """Issue 18, item 12: after a fault and reset_iter_state(), destroy_process_group() and
     exit used to abort one rank (SIGABRT, ``terminate called without an active exception``):
     a waiter thread still blocked in an abandoned gloo receive was woken by the peer's exit
     during interpreter shutdown."""
-    import multiprocessing as mp
-
-    from _dist import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_recover_then_exit, args=(r, port, kind, out)) for r in (0, 1)]
-    for p in procs:
-        p.start()
+    procs, out = recovered_runs[kind]
     try:
         results = sorted(out.get(timeout=120) for _ in procs)
     finally:
