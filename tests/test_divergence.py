@@ -203,7 +203,9 @@ def _slow_peer(sleep_s: float) -> dict[str, Any]:
     return {"losses": losses, "want": want, "seconds": seconds}
 
 
-def test_a_slow_peer_is_waited_for(world2: World) -> None:
+def test_a_slow_peer_is_waited_for(world2: World, recovered_runs: Any) -> None:
+    # recovered_runs: the recovered-process runs below start now, in their own processes, and
+    # mostly sleep while this test's ranks do.
     results = world2.run(_slow_peer, 6.0, timeout=120)
     for r in results:
         assert r["seconds"] > 2 * 6.0, r  # rank 0 waited through both naps without an error
@@ -234,8 +236,9 @@ _EXIT_KINDS = ["exception_in_forward_on_one_rank", "different_submodules"]
 @pytest.fixture(scope="module")
 def recovered_runs(request: pytest.FixtureRequest) -> Any:
     """The 2-rank processes of every selected ``kind`` of
-    :func:`test_a_recovered_process_exits_cleanly`, all started at once on first use: each
-    mostly sleeps past its gloo timeout, so the kinds' naps overlap. Killed at the end."""
+    :func:`test_a_recovered_process_exits_cleanly`, all started at once on first use (by
+    :func:`test_a_slow_peer_is_waited_for`, whose ranks sleep 12 s): each mostly sleeps past
+    its gloo timeout, so the naps overlap. Killed at the end."""
     import multiprocessing as mp
 
     from _dist import free_ports
