@@ -346,7 +346,7 @@ GROUP_LISTS = {"sharded_params", "_groups", "_unique_groups", "groups"}
 # codec path, owned elsewhere) still sets the group's layout, record and slot itself; it is to
 # call ParamGroup.use_gather_codecs(layout, slot). Strict: an entry no longer found fails, so
 # it is removed with the write.
-KNOWN_GROUP_WRITES = {"shell/engine/gather.py": ["group.layout", "group.slot", "group.state"]}
+KNOWN_GROUP_WRITES: dict[str, list[str]] = {}
 
 
 def _names_a_group_type(annotation: ast.expr | None) -> bool:

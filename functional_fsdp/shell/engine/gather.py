@@ -32,7 +32,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import attrs
 import torch
 import torch.distributed as dist
 
@@ -296,15 +295,14 @@ def adopt_codecs(
         specs.append(C.describe_inputs(spec.fqn, codec, group.state.local(i)))
     _agree(group, specs)
     layout = C.with_codec_inputs(group.layout, specs)
-    group.layout = layout
-    group.state = attrs.evolve(group.state, layout=layout)
-    group.slot = GatherSlot(
+    slot = GatherSlot(
         layout,
         group.device,
         group._advise,
         codecs=codecs,
         abort=lambda: _abort_peers(group.base_comms()),
     )
+    group.use_gather_codecs(layout, slot)
 
 
 def _local_of(p: Any) -> Callable[[torch.Tensor], torch.Tensor]:
