@@ -342,10 +342,8 @@ GROUP_NAMES = {"g", "group", "grp", "gr", "tg", "pg", "sp"}
 # Attributes that hold a group (``FSDPState.group``, ``GatherCall.group``).
 GROUP_ATTRS = {"group"}
 GROUP_LISTS = {"sharded_params", "_groups", "_unique_groups", "groups"}
-# Known writes that are to go, listed so that nothing else slips in: gather.adopt_codecs (the
-# codec path, owned elsewhere) still sets the group's layout, record and slot itself; it is to
-# call ParamGroup.use_gather_codecs(layout, slot). Strict: an entry no longer found fails, so
-# it is removed with the write.
+# Known writes that are to go, listed so that nothing else slips in (none today). Strict: an
+# entry no longer found fails, so it is removed with the write.
 KNOWN_GROUP_WRITES: dict[str, list[str]] = {}
 
 

@@ -22,7 +22,6 @@ from ..comm.process_group import ProcessGroupComm
 from ..comm.scoped import scoped
 from ..engine.autograd import explain_forward_ad_on_dtensor
 from ..engine.config import GroupConfig
-from ..engine.gather import adopt_codecs, plain_data
 from ..engine.group import ParamGroup, TrainingState, layout_for
 from ..io.reload import readopt_after_load
 from ..parallel.tensor_parallel import (
@@ -31,6 +30,7 @@ from ..parallel.tensor_parallel import (
     resolve_dp_mesh_dims,
     tp_spec,
 )
+from .codecs import adopt_codecs, plain_data
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
 from .state import FSDPState, hooks_for
 
