@@ -1,1 +1,4 @@
-""""""
+"""What a user calls: ``fully_shard`` (``fully_shard.py``), the ``FSDPModule`` methods
+(``module.py``), the per-module hook state and root logic (``state.py``), the functional-call
+entry (``functional_call.py``), tensor-subclass codecs at sharding time (``codecs.py``) and
+``copy.deepcopy`` (``deepcopy.py``)."""

@@ -1,1 +1,2 @@
-"""The device seam: streams, events and buffer lifetimes (see ``runtime.py``)."""
+"""The device seam: streams, events and buffer lifetimes (``runtime.py``: the protocol and the
+CPU runtime; ``cuda.py``: CUDA streams and events)."""
