@@ -27,6 +27,7 @@ CORE = (
     "codec",
     "tensor_parallel",
     "reproducible",
+    "recovery",
 )
 FORBIDDEN = ("torch.distributed", "torch.cuda", f"{PACKAGE}.shell")
 
@@ -42,6 +43,7 @@ ALLOWED_INTERNAL = {
     "codec": {"errors", "layout", "records", "comm"},
     "tensor_parallel": {"errors", "layout", "records", "comm"},
     "reproducible": {"errors", "_tree", "layout", "records", "comm", "reduction"},
+    "recovery": {"errors", "records", "comm", "transitions"},
     "transitions": {"errors", "_tree", "layout", "records", "reduction", "comm", "codec"},
 }
 

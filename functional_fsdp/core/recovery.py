@@ -1,0 +1,153 @@
+"""Surviving a lost rank, the pure part: redundant copies and re-sharding to the survivors.
+
+With one redundant copy, rank ``r`` of ``N`` holds, besides its own shards, a copy of the shards
+of rank ``r - 1`` (mod ``N``): its neighbour's (:func:`copy_source`). Any set of lost ranks in
+which no two are neighbours can be rebuilt from memory (:func:`recoverable`).
+
+:func:`regroup` re-shards one group from ``N`` ranks to the survivors: every survivor sends its
+own packed shards and the copy it holds in one all-gather over the survivors' communicator, each
+rank rebuilds the full tensors from the ``N`` old shards (a lost rank's from its neighbour's
+copy) and cuts its shards of the new layout with :func:`~.transitions.shard_tensors`. Nothing
+here knows about processes or failures: the shell detects them, builds the survivors'
+communicator, and calls this per group (parameters and optimizer state alike). The property that
+the result equals sharding the same full tensors for the new world directly is checked in the
+simulated world (``tests/test_recovery_core.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .comm import Communicator, check_comm
+from .errors import LayoutMismatchError, StateError
+from .records import GroupLayout, ShardedState
+from .transitions import shard_tensors
+
+__all__ = [
+    "copy_holder",
+    "copy_source",
+    "recoverable",
+    "regroup",
+    "relayout",
+    "survivors",
+]
+
+
+def copy_source(rank: int, world_size: int) -> int:
+    """The rank whose shards ``rank`` keeps a copy of (its neighbour: ``rank - 1`` mod ``N``)."""
+    return (rank - 1) % world_size
+
+
+def copy_holder(rank: int, world_size: int) -> int:
+    """The rank that keeps a copy of ``rank``'s shards (``rank + 1`` mod ``N``)."""
+    return (rank + 1) % world_size
+
+
+def survivors(world_size: int, lost: Sequence[int]) -> tuple[int, ...]:
+    """The old ranks still alive, in order: their new ranks are their positions here."""
+    gone = set(lost)
+    if not gone <= set(range(world_size)):
+        raise StateError(f"lost ranks {sorted(gone)} are not all in a world of {world_size}")
+    return tuple(r for r in range(world_size) if r not in gone)
+
+
+def recoverable(world_size: int, lost: Sequence[int]) -> bool:
+    """Whether every lost rank's copy survived (no two lost ranks are neighbours, and someone
+    survives)."""
+    gone = set(lost)
+    return len(gone) < world_size and all(copy_holder(r, world_size) not in gone for r in gone)
+
+
+def relayout(layout: GroupLayout, world_size: int) -> GroupLayout:
+    """``layout`` for another world size (same parameters, dtypes and pytree)."""
+    param_dtype = next(
+        (g for s, g in zip(layout.specs, layout.gather_dtypes) if g != s.dtype), None
+    )
+    return GroupLayout.build(
+        layout.specs,
+        world_size,
+        param_dtype=param_dtype,
+        reduce_dtype=layout.reduce_dtype,
+        treespec=layout.treespec,
+    )
+
+
+def regroup(
+    own: ShardedState,
+    copy: ShardedState,
+    lost: Sequence[int],
+    comm: Communicator,
+    *,
+    active: int | None = None,
+) -> ShardedState | None:
+    """This survivor's shards after re-sharding from ``N`` ranks to the survivors.
+
+    Args:
+        own: this rank's shards in the old ``N``-rank layout (``own.rank`` its old rank).
+        copy: the copy it holds of its neighbour's shards (``copy.rank`` must be
+            :func:`copy_source` of ``own.rank``; every survivor keeps one).
+        lost: the old ranks that were lost (recoverable: see :func:`recoverable`).
+        comm: a communicator over the survivors, ranked in old-rank order.
+        active: how many survivors train on (the first ones); the others become spares and get
+            ``None``. Default: all survivors.
+
+    Returns:
+        The new :class:`ShardedState` (no gradients: the step in flight is redone), or ``None``
+        on a spare.
+    """
+    old = own.layout
+    n = old.world_size
+    alive = survivors(n, lost)
+    if not recoverable(n, lost):
+        raise StateError(
+            f"ranks {sorted(set(lost))} of {n} were lost together with the copies of their "
+            "shards (neighbours): the group cannot be rebuilt from memory; resume from the last "
+            "checkpoint"
+        )
+    check_comm(comm, len(alive), "regroup")
+    if alive[comm.rank] != own.rank:
+        raise LayoutMismatchError(
+            f"survivor {comm.rank} of {alive} holds the shards of old rank {own.rank}; the "
+            "survivors' communicator must rank them in old-rank order"
+        )
+    shards = _all_old_shards(own, copy, alive, comm)
+    fulls = [
+        torch.cat([shards[r].local(i) for r in range(n)], dim=old.shard_dims[i])
+        for i in range(len(old))
+    ]
+    k = len(alive) if active is None else active
+    if not 1 <= k <= len(alive):
+        raise StateError(f"active must be in 1..{len(alive)}, got {active}")
+    if comm.rank >= k:
+        return None
+    return shard_tensors(fulls, relayout(old, k), comm.rank)
+
+
+def _all_old_shards(
+    own: ShardedState, copy: ShardedState, alive: tuple[int, ...], comm: Communicator
+) -> list[ShardedState]:
+    """Every old rank's shards, gathered from the survivors (own shards and held copies)."""
+    old = own.layout
+    n, total = old.world_size, old.storage.total
+    if copy.layout != old or copy.rank != copy_source(own.rank, n):
+        raise LayoutMismatchError(
+            f"rank {own.rank} holds a copy of rank {copy.rank}'s shards; it keeps "
+            f"{copy_source(own.rank, n)}'s, in the same layout"
+        )
+    send = torch.zeros(2 * total, dtype=own.flat.dtype, device=own.flat.device)
+    send[:total] = own.flat
+    send[total:] = copy.flat
+    recv = send.new_empty(len(alive) * 2 * total)
+    if len(alive) == 1:
+        recv.copy_(send)
+    else:
+        comm.all_gather(recv, send).wait()
+    rows = recv.view(len(alive), 2, total)
+    flats: dict[int, torch.Tensor] = {}
+    for j, r in enumerate(alive):
+        flats[r] = rows[j, 0]
+        src = copy_source(r, n)
+        flats.setdefault(src, rows[j, 1])  # the copy, unless the rank itself survived
+    return [ShardedState(old, r, flats[r]) for r in range(n)]
