@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import json
 import os
+import queue
 import resource
 import socket
 import statistics
@@ -81,9 +82,11 @@ def _build(variant: str, cfg: GPTConfig, raf: bool | None) -> torch.nn.Module:
         if variant == "fsdp2":
             from torch.distributed.fsdp import fully_shard
         else:
-            from functional_fsdp import ReproduciblePolicy, fully_shard
+            from functional_fsdp import fully_shard
 
             if variant == "repro":  # one micro-batch per rank: V = the world size
+                from functional_fsdp import ReproduciblePolicy
+
                 ws = dist.get_world_size() if dist.is_initialized() else 1
                 kw["reproducible"] = ReproduciblePolicy(virtual_world_size=ws)
         for b in model.blocks:
@@ -177,7 +180,19 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
     procs = [ctx.Process(target=_worker, args=(r, ws, port, variant, args, q)) for r in range(ws)]
     for p in procs:
         p.start()
-    results = [q.get(timeout=900) for _ in range(ws)]
+    results = []
+    deadline = time.monotonic() + 900
+    while len(results) < ws:
+        try:
+            results.append(q.get(timeout=5))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                raise RuntimeError(
+                    f"variant {variant}: a rank failed (exit codes {dead})"
+                ) from None
     for p in procs:
         p.join(timeout=60)
     step = max(r["step_ms"] for r in results)
