@@ -257,7 +257,9 @@ class World:
         for p in self._procs:
             if p.is_alive():
                 p.terminate()
-                p.join(timeout=5)
+        for p in self._procs:
+            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
         self._procs = []

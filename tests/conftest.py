@@ -41,7 +41,7 @@ def world2():
 
     w = World(2)
     yield w
-    w.close()
+    w.close(force=True)  # nothing to wait for at the end of the session
 
 
 @pytest.fixture(scope="session")
@@ -51,4 +51,4 @@ def world4():
 
     w = World(4)
     yield w
-    w.close()
+    w.close(force=True)
