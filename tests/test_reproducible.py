@@ -350,3 +350,42 @@ def test_misuse_raises_named_errors_on_every_rank(world4: Any) -> None:
             "step after 1 of 2: named",
             "autograd.grad",
         ], seen
+
+
+def _train_2d(dp: int, reproducible: bool = True) -> dict[str, torch.Tensor]:
+    """2-D FSDP x TP at a fixed TP degree of 2: ``dp`` data-parallel ranks (``4 // (2 * dp)``
+    independent copies of the run), ``V = 4`` micro-batches per step, AdamW."""
+    import _tp_helpers as H
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from functional_fsdp import ReproduciblePolicy, fully_shard
+
+    copies = dist.get_world_size() // (2 * dp)
+    world = init_device_mesh("cpu", (copies, dp, 2), mesh_dim_names=("copies", "dp", "tp"))
+    policy = ReproduciblePolicy(virtual_world_size=4)
+    model = H.reference_model()
+    parallelize_module(model, world["tp"], H.tp_plan())
+    kw = {"reproducible": policy} if reproducible else {}
+    for b in model.blocks:
+        fully_shard(b, mesh=world["dp"], **kw)
+    fully_shard(model, mesh=world["dp"], **kw)
+    opt = H.optimizer(model.parameters())
+    mine = list(policy.micro_batches(world["dp"].get_local_rank(), dp))
+    for step in range(3):
+        for k in mine:
+            x, y = H.batch(step, k)
+            (model.loss(x, y) / len(mine)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+
+
+def test_2d_at_a_fixed_tp_degree_gives_the_same_bits_on_one_and_two_dp_ranks(
+    world4: Any,
+) -> None:
+    one = world4.run(_train_2d, 1)[0]
+    _all_equal(world4.run(_train_2d, 2), one)
+    # Without the policy the same two runs differ (the test can fail).
+    assert _differences(world4.run(_train_2d, 2, False)[0], world4.run(_train_2d, 1, False)[0])
