@@ -143,7 +143,11 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
     )
     try:
         while True:
-            item = inbox.get()
+            try:
+                item = inbox.get()
+            except Exception:  # a case this process cannot unpickle: that case fails
+                outbox.put((rank, False, traceback.format_exc()))
+                continue
             if item is None:
                 break
             if item == "check":
