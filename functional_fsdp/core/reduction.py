@@ -4,7 +4,9 @@
 keeps this rank's shard, as FSDP2 does: pack in the reduce dtype, pre-divide, one
 reduce-scatter, HSDP all-reduce (or a kept partial sum), post-divide, cast, accumulate.
 :func:`begin_reduce` / :func:`finish_reduce` split it around the collective so a caller can
-overlap it with compute. Re-exported by :mod:`functional_fsdp.core.transitions`.
+overlap it with compute; :func:`begin_reduce` is :func:`reduce_input` (the copy-in) then
+:func:`issue_reduce` (the collective), for a caller that runs them on different streams.
+Re-exported by :mod:`functional_fsdp.core.transitions`.
 """
 
 from __future__ import annotations
@@ -31,11 +33,14 @@ from .records import GroupLayout, ShardedState
 
 __all__ = [
     "PendingReduce",
+    "ReduceInput",
     "accumulate_local_grads",
     "begin_reduce",
     "finish_reduce",
+    "issue_reduce",
     "pack_grads",
     "reduce_grad",
+    "reduce_input",
     "split_reduced",
 ]
 
@@ -108,8 +113,9 @@ def pack_grads(
 @attrs.frozen(eq=False)
 class PendingReduce:
     """A *handle* (not a record: no pytree, never compared) for a reduce-scatter in flight;
-    :func:`finish_reduce` turns it into a new sharded state. Its output buffer is owned by the
-    collective until ``work.wait()``."""
+    :func:`finish_reduce` turns it into a new sharded state. Its output buffer (and ``input``,
+    the packed reduce-scatter input, ``None`` on the pieces path) is owned by the collective
+    until ``work.wait()``; then ``input`` is the caller's to free."""
 
     sharded: ShardedState
     output: torch.Tensor
@@ -119,6 +125,26 @@ class PendingReduce:
     replicate_comm: Communicator | None
     all_reduce: bool
     residual: torch.Tensor | None = None
+    input: torch.Tensor | None = None
+
+
+@attrs.frozen(eq=False)
+class ReduceInput:
+    """A *handle*: a reduction's copy-in (:func:`reduce_input`), ready for
+    :func:`issue_reduce` (a caller may run the two on different streams). ``packed`` is the
+    reduce-scatter input (cast, padded, pre-divided: a new buffer), or ``None`` on the pieces
+    path, which sends each rank its rows straight from ``grads``."""
+
+    sharded: ShardedState
+    grads: tuple[torch.Tensor | None, ...]
+    packed: torch.Tensor | None
+    present: tuple[bool, ...]
+    factors: L.DivideFactors
+    rdtype: torch.dtype
+    device: torch.device
+    replicate_comm: Communicator | None
+    all_reduce: bool
+    compression: GradCompression | None
 
 
 def begin_reduce(
@@ -135,7 +161,8 @@ def begin_reduce(
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
     compression: GradCompression | None = None,
 ) -> PendingReduce:
-    """Pack gradients, pre-divide and issue the group's one reduce-scatter.
+    """Pack gradients, pre-divide and issue the group's one reduce-scatter
+    (:func:`reduce_input` then :func:`issue_reduce`).
 
     ``alloc(numel, dtype, device)`` makes the output buffer (the new sharded gradients); the
     shell injects one that advises the kernel about the fresh memory. Default: ``torch.empty``.
@@ -143,6 +170,35 @@ def begin_reduce(
     :mod:`functional_fsdp.core.compression` (on more than one rank), with its residual taken from
     and returned to ``sharded.residual``.
     """
+    rin = reduce_input(
+        grads,
+        sharded,
+        comm,
+        replicate_comm=replicate_comm,
+        divide_factor=divide_factor,
+        force_sum=force_sum,
+        all_reduce=all_reduce,
+        reduce_unused=reduce_unused,
+        compression=compression,
+    )
+    return issue_reduce(rin, comm, async_op=async_op, alloc=alloc)
+
+
+def reduce_input(
+    grads: Any,
+    sharded: ShardedState,
+    comm: Communicator,
+    *,
+    replicate_comm: Communicator | None = None,
+    divide_factor: float | None = None,
+    force_sum: bool = False,
+    all_reduce: bool = True,
+    reduce_unused: bool = False,
+    compression: GradCompression | None = None,
+) -> ReduceInput:
+    """The first half of :func:`begin_reduce`: check, choose the path, and pack the gradients
+    (cast to the reduce dtype, padded, pre-divided) unless the pieces path sends them as they
+    are. No collective is issued."""
     if compression is not None and not isinstance(compression, GradCompression):
         raise StateError(
             f"compression must be a GradCompression or None, got {type(compression).__name__}"
@@ -164,54 +220,105 @@ def begin_reduce(
         factor=divide_factor,
         force_sum=force_sum,
     )
-    ws = lay.world_size
     # Reduce where the gradients are (the compute device), also when the shards are offloaded
     # to the CPU: the caller moves the reduced shards.
     device = next((g.device for g in glist if g is not None), sharded.flat.device)
     # The path depends only on facts every rank shares (never on which gradients this rank
     # happens to have): ranks on different paths would exchange mismatched messages.
-    if (
-        ws > 1
+    pieces = (
+        lay.world_size > 1
         and compression is None
         and uses_pieces(comm, lay.unsharded_bytes)
         and all(d == 0 for d in lay.shard_dims)
         and factors.pre in (None, 1)
         and factors.premul is None
-    ):
+    )
+    packed = None if pieces else _pack_input(glist, lay, factors, device, compression)
+    return ReduceInput(
+        sharded,
+        tuple(glist),
+        packed,
+        present,
+        factors,
+        rdtype,
+        device,
+        replicate_comm,
+        all_reduce,
+        compression,
+    )
+
+
+def issue_reduce(
+    rin: ReduceInput,
+    comm: Communicator,
+    *,
+    async_op: bool = True,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
+) -> PendingReduce:
+    """The second half of :func:`begin_reduce`: issue the reduce-scatter of ``rin`` (made by
+    :func:`reduce_input` with the same ``comm``) into a new output buffer."""
+    sharded, factors = rin.sharded, rin.factors
+    if rin.packed is None:
         out, work = _reduce_pieces(
-            glist, sharded, cast(PiecesCommunicator, comm), factors, rdtype, device, alloc, async_op
+            rin.grads,
+            sharded,
+            cast(PiecesCommunicator, comm),
+            factors,
+            rin.rdtype,
+            rin.device,
+            alloc,
+            async_op,
         )
         residual = sharded.residual
     else:
         out, work, residual = _reduce_packed(
-            glist, sharded, comm, factors, device, alloc or _empty, async_op, compression
+            rin.packed, sharded, comm, factors, alloc or _empty, async_op, rin.compression
         )
-    return PendingReduce(sharded, out, work, factors, present, replicate_comm, all_reduce, residual)
+    return PendingReduce(
+        sharded,
+        out,
+        work,
+        factors,
+        rin.present,
+        rin.replicate_comm,
+        rin.all_reduce,
+        residual,
+        rin.packed,
+    )
 
 
-def _reduce_packed(
+def _pack_input(
     glist: Sequence[torch.Tensor | None],
-    sharded: ShardedState,
-    comm: Communicator,
+    lay: GroupLayout,
     factors: L.DivideFactors,
     device: torch.device,
-    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor],
-    async_op: bool,
     compression: GradCompression | None,
-) -> tuple[torch.Tensor, Work, torch.Tensor | None]:
-    """Pack the gradients, pre-divide, issue the reduce-scatter (compressed on more than one
-    rank when ``compression`` is set): output buffer, work, new residual."""
-    lay = sharded.layout
-    compressed = compression is not None and lay.world_size > 1
+) -> torch.Tensor:
+    """The packed reduce-scatter input: the gradients packed, in fp32 for a compressed
+    reduction, pre-divided."""
     inp = pack_grads(glist, lay, device=device)
-    if compressed and inp.dtype != torch.float32:
+    if compression is not None and lay.world_size > 1 and inp.dtype != torch.float32:
         inp = inp.float()
     if factors.pre is not None and factors.pre != 1:
         inp.div_(factors.pre)
     if factors.premul is not None:
         inp.mul_(factors.premul)
-    if compressed:
-        assert compression is not None
+    return inp
+
+
+def _reduce_packed(
+    inp: torch.Tensor,
+    sharded: ShardedState,
+    comm: Communicator,
+    factors: L.DivideFactors,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor],
+    async_op: bool,
+    compression: GradCompression | None,
+) -> tuple[torch.Tensor, Work, torch.Tensor | None]:
+    """Issue the reduce-scatter of the packed input (compressed on more than one rank when
+    ``compression`` is set): output buffer, work, new residual."""
+    lay = sharded.layout
+    if compression is not None and lay.world_size > 1:
         return begin_compressed_reduce(
             inp,
             sharded.residual,

@@ -173,13 +173,15 @@ def tree_sum(values: Sequence[torch.Tensor]) -> torch.Tensor:
 class PendingTreeReduce:
     """A *handle* for a reproducible reduction in flight (see :func:`begin_tree_reduce`): the
     all-to-all delivering this rank the ``N`` pieces of its shard, owned by the collective
-    until ``work.wait()``."""
+    until ``work.wait()``, as is ``input`` (the subtree sum sent, the caller's again after
+    the wait)."""
 
     sharded: ShardedState
     pieces: torch.Tensor
     work: Work
     present: tuple[bool, ...]
     replicate_comm: Communicator | None
+    input: torch.Tensor | None = None
 
 
 def begin_tree_reduce(
@@ -215,7 +217,7 @@ def begin_tree_reduce(
         subtree,
         lambda: comm.all_to_all(pieces, subtree, async_op=async_op),
     )
-    return PendingTreeReduce(sharded, pieces, work, tuple(present), replicate_comm)
+    return PendingTreeReduce(sharded, pieces, work, tuple(present), replicate_comm, subtree)
 
 
 def finish_tree_reduce(pending: PendingTreeReduce, *, accumulate: bool = True) -> ShardedState:

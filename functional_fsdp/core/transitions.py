@@ -48,30 +48,38 @@ from .records import (
 )
 from .reduction import (
     PendingReduce,
+    ReduceInput,
     accumulate_local_grads,
     begin_reduce,
     finish_reduce,
+    issue_reduce,
     pack_grads,
     reduce_grad,
+    reduce_input,
 )
 
 __all__ = [
+    "GatherInput",
     "PendingReduce",
     "Landed",
     "PendingUnshard",
+    "ReduceInput",
     "accumulate_local_grads",
     "begin_reduce",
     "begin_unshard",
     "copy_out",
+    "encode_unshard",
     "finish_reduce",
     "finish_unshard",
     "full_views",
+    "issue_reduce",
     "land_unshard",
     "pack_for_gather",
     "pack_grads",
     "pack_locals",
     "post_forward_from_gather",
     "reduce_grad",
+    "reduce_input",
     "reshard",
     "shard",
     "shard_tensors",
@@ -224,7 +232,9 @@ class PendingUnshard:
     gathered straight into ``into`` (no copy-out needed). ``into`` is where the gathered
     inputs will be laid out per parameter either way (on the packed path :func:`finish_unshard`
     copies out into it). ``codecs`` and ``metadata`` are what the encode step used and
-    returned (``None``: every codec is the identity).
+    returned (``None``: every codec is the identity). ``input`` is the all-gather input when
+    the encode made a new buffer (``None``: the state's own tensor was sent); like ``output``
+    it belongs to the collective until ``work.wait()``, then to the caller, who may free it.
     """
 
     layout: GroupLayout
@@ -235,6 +245,20 @@ class PendingUnshard:
     into: torch.Tensor | None = None
     codecs: tuple[C.GatherCodec | None, ...] | None = None
     metadata: tuple[Any, ...] | None = None
+    input: torch.Tensor | None = None
+
+
+@attrs.frozen(eq=False)
+class GatherInput:
+    """A *handle*: this rank's encoded all-gather input (the copy-in), made by
+    :func:`encode_unshard` before the collective is issued (a caller may run the two on
+    different streams). ``tensor`` is what is sent; ``metadata`` the codecs' (``None``: every
+    codec is the identity); ``fresh``: ``tensor`` is a new buffer, not the state's own sharded
+    buffer or kept rows (zero-copy)."""
+
+    tensor: torch.Tensor
+    metadata: tuple[Any, ...] | None
+    fresh: bool
 
 
 class Landed(NamedTuple):
@@ -288,6 +312,23 @@ def _gather_input(
     )
 
 
+def encode_unshard(
+    state: ShardedState | PostForwardState,
+    comm: Communicator,
+    *,
+    codecs: Sequence[C.GatherCodec | None] | None = None,
+) -> GatherInput:
+    """Check ``state`` against ``comm`` and encode this rank's all-gather input: the first
+    half of :func:`begin_unshard` (pack and cast the shards, or run each parameter's codec).
+
+    Raises:
+        GatherCodecError: a codec's encode failed or disagrees with the layout.
+    """
+    inp, metadata = _gather_input(state, comm, codecs)
+    own = state.flat if isinstance(state, ShardedState) else state.rows
+    return GatherInput(inp, metadata, inp is not own)
+
+
 def begin_unshard(
     state: ShardedState | PostForwardState,
     comm: Communicator,
@@ -295,6 +336,7 @@ def begin_unshard(
     codecs: Sequence[C.GatherCodec | None] | None = None,
     async_op: bool = True,
     into: torch.Tensor | None = None,
+    encoded: GatherInput | None = None,
 ) -> PendingUnshard:
     """Encode and issue the group's one all-gather (over the sub-group for a
     :class:`PostForwardState`).
@@ -310,13 +352,17 @@ def begin_unshard(
             :func:`~functional_fsdp.core.codec.wire` packing). With a communicator that
             ``supports_pieces``, a sharded state of a uniform dim-0 group of identity codecs
             is gathered straight into it, parameter by parameter (no copy-out).
+        encoded: this rank's input, already made by :func:`encode_unshard` with the same
+            ``state``, ``comm`` and ``codecs`` (``None``: encode here).
 
     Raises:
         GatherCodecError: a codec's encode failed or disagrees with the layout (no collective
             was issued).
     """
     lay = state.layout
-    inp, metadata = _gather_input(state, comm, codecs)
+    enc = encode_unshard(state, comm, codecs=codecs) if encoded is None else encoded
+    inp, metadata = enc.tensor, enc.metadata
+    fresh = inp if enc.fresh else None
     source = state if isinstance(state, ShardedState) else state.source
     kept = None if codecs is None else tuple(codecs)
     if (
@@ -335,12 +381,12 @@ def begin_unshard(
         recvs = [[reg[r] for reg in regions] for r in range(ws)]
         pcomm = cast(PiecesCommunicator, comm)
         pieces = pcomm.all_gather_pieces(recvs, sends, async_op=async_op)
-        return PendingUnshard(lay, state.rank, None, pieces, source, into, kept)
+        return PendingUnshard(lay, state.rank, None, pieces, source, into, kept, input=fresh)
     # world_size rows of the wire packing (a PostForwardState's sub-group sends several rows).
     ranks = comm.world_size
     out = torch.empty(ranks * inp.numel(), dtype=inp.dtype, device=inp.device)
     work = collective_or_copy(ranks, out, inp, lambda: comm.all_gather(out, inp, async_op=async_op))
-    return PendingUnshard(lay, state.rank, out, work, source, into, kept, metadata)
+    return PendingUnshard(lay, state.rank, out, work, source, into, kept, metadata, fresh)
 
 
 def land_unshard(
