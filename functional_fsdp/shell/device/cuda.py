@@ -32,31 +32,48 @@ class CudaRuntime:
     """
 
     name = "cuda"
+    checks = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._compute = Stream("compute", 0, torch.cuda.current_stream(device))
-        self._side = {
-            role: Stream(role, i + 1, torch.cuda.Stream(device=device, priority=-1))
-            for i, role in enumerate(ROLES)
-        }
+        # Made on first use: fully_shard builds a runtime per group, the root's lazy init
+        # then gives every group of the model the root's (one set of streams per model).
+        self._side: dict[str, Stream] = {}
+        self._depth = 0  # inside use(): compute stays the stream current before it
         # Storage (by its StorageImpl) -> (a tensor on it, the events to wait for).
         self._deferred: dict[int, tuple[torch.Tensor, list[Event]]] = {}
 
     @property
     def compute(self) -> Stream:
-        """The current stream at construction (forward and backward run on it)."""
+        """The current stream (forward and backward run on it), as FSDP2 takes it per call;
+        inside :meth:`use` the stream current before it."""
+        if self._depth == 0:
+            native = torch.cuda.current_stream(self.device)
+            if native != self._compute.native:
+                self._compute = Stream("compute", 0, native)
         return self._compute
 
     def side_stream(self, role: str) -> Stream:
-        """The side stream of ``role``."""
-        return self._side[role]
+        """The side stream of ``role`` (high priority, as FSDP2's all-gather and
+        reduce-scatter streams; FSDP2's HSDP all-reduce stream has the default priority)."""
+        s = self._side.get(role)
+        if s is None:
+            priority = 0 if role == "all_reduce" else -1
+            native = torch.cuda.Stream(device=self.device, priority=priority)
+            s = self._side[role] = Stream(role, ROLES.index(role) + 1, native)
+        return s
 
     @contextlib.contextmanager
     def use(self, stream: Stream) -> Iterator[None]:
         """``torch.cuda.stream(stream)``."""
-        with torch.cuda.stream(stream.native):
-            yield
+        _ = self.compute  # fix the compute stream before switching away from it
+        self._depth += 1
+        try:
+            with torch.cuda.stream(stream.native):
+                yield
+        finally:
+            self._depth -= 1
 
     def wait_stream(self, waiter: Stream, producer: Stream) -> None:
         """``waiter.wait_stream(producer)``."""

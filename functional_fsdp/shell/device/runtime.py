@@ -9,16 +9,20 @@ pytorch#147168). Three implementations:
 - :class:`CPURuntime` (here): one stream, every operation done when issued; today's behaviour.
 - :class:`~.cuda.CudaRuntime`: real ``torch.cuda`` streams and events (FSDP2's layout: copy-in,
   all-gather, reduce-scatter and all-reduce streams beside the compute stream).
-- :class:`~functional_fsdp.testing.streams.StreamSimulator`: runs on the CPU but keeps a vector
-  clock per stream and fails on a read before its producer's event, a write while another
-  stream may still use the buffer, or a free before the last consumer's event: a race detector
-  for stream semantics, as the simulated world is for collectives.
+- :class:`~.simulator.StreamSimulator` (public as ``functional_fsdp.testing.streams``): runs on
+  the CPU but keeps a vector clock per stream and fails on a read before its producer's event, a
+  write while another stream may still use the buffer, or a free before the last consumer's
+  event: a race detector for stream semantics, as the simulated world is for collectives.
+
+Only a runtime with ``checks`` set is told which buffers an operation reads and writes
+(:meth:`DeviceRuntime.access`): the engine builds those lists for the simulator alone, so the
+CPU and CUDA runtimes cost a few no-op calls per collective.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -59,6 +63,8 @@ class DeviceRuntime(Protocol):
     """What the engine needs of a device (see the module docstring)."""
 
     name: str
+    #: Whether :meth:`access` checks anything (the engine annotates only then).
+    checks: bool
 
     @property
     def compute(self) -> Stream:
@@ -113,9 +119,12 @@ class CPURuntime:
     """One stream; every operation is complete when it returns (today's CPU behaviour)."""
 
     name = "cpu"
+    checks = False
 
     def __init__(self) -> None:
         self._compute = Stream("compute", 0)
+        self._done = Event(self._compute)
+        self._nothing = contextlib.nullcontext()
 
     @property
     def compute(self) -> Stream:
@@ -126,17 +135,16 @@ class CPURuntime:
         """The only stream (there are no side streams on the CPU)."""
         return self._compute
 
-    @contextlib.contextmanager
-    def use(self, stream: Stream) -> Iterator[None]:
+    def use(self, stream: Stream) -> contextlib.AbstractContextManager[None]:
         """Nothing to switch."""
-        yield
+        return self._nothing
 
     def wait_stream(self, waiter: Stream, producer: Stream) -> None:
         """Nothing to order: operations complete when issued."""
 
     def record(self, stream: Stream) -> Event:
         """A completed event."""
-        return Event(stream)
+        return self._done
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         """Nothing to wait for."""
