@@ -5,6 +5,8 @@
   rest of backward), or, while ``torch.autograd.grad`` runs, returns them to autograd.
 - :class:`GatherFn` (the functional path, ``functional_call`` / ``torch.func``): forward
   all-gathers the tensors the caller registered; backward returns their reduced gradients.
+- :class:`UseFn` (weights tied across groups): one use's views of full tensors; backward passes
+  the gradients on and says the use's backward is done (so the buffer can be resharded).
 - :class:`ReduceFn` and :class:`GatherGradFn`: the reduce-scatter of gradients and its adjoint,
   an all-gather. The reduction is linear, so recording it (``create_graph=True``) makes double
   backward and Hessian-vector products work; FSDP2 cannot do them.
@@ -22,7 +24,7 @@ group (``group.ParamGroup``, ``group.OwnReduction``) and the functional path
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -38,6 +40,7 @@ __all__ = [
     "SourceGather",
     "UnshardFn",
     "Unsharding",
+    "UseFn",
     "explain_forward_ad_on_dtensor",
     "reduce_differentiably",
 ]
@@ -108,6 +111,36 @@ class UnshardFn(torch.autograd.Function):
         # Into .grad (loss.backward()), or returned reduced while torch.autograd.grad runs.
         group: Unsharding = ctx.group
         return (None, *group.unshard_backward(grads))
+
+
+class UseFn(torch.autograd.Function):
+    """Forward: views of full tensors for one use (a module of another group using a tied
+    weight, or a lending group's own modules). Backward: the gradients unchanged (autograd
+    sums every use's in the tensors viewed) and ``done()`` called: the use's backward is over.
+
+    Written in the ``setup_context`` style so ``torch.func`` transforms can run it.
+    """
+
+    @staticmethod
+    def forward(done: Callable[[], None], *fulls: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(t.view_as(t) for t in fulls)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+        ctx.done = inputs[0]
+        ctx.set_materialize_grads(False)
+        frozen = [o for o, t in zip(output, inputs[1:]) if not t.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.done()
+        return (None, *grads)
+
+    @staticmethod
+    def jvp(ctx: Any, *tangents: Any) -> Any:
+        raise NotImplementedError(FORWARD_AD_MESSAGE)
 
 
 class GatherFn(torch.autograd.Function):

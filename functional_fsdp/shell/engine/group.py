@@ -44,7 +44,7 @@ from ..comm.custom import CustomCollectiveComm, base_comm, unwrap, with_all_redu
 from ..comm.process_group import ProcessGroupComm
 from ..comm.scoped import ScopedComm
 from ..parallel.tensor_parallel import TensorParallelPlan
-from .autograd import UnshardFn, reduce_differentiably
+from .autograd import UnshardFn, UseFn, reduce_differentiably
 from .config import GroupConfig
 from .gather import GatherSlot
 from .group_common import TrainingState, _contiguous_stride, layout_for, traced
@@ -157,6 +157,12 @@ class ParamGroup:
         # fully_shard([m1, m2]): the modules sharing this group, and how many finished forward.
         self.forward_users = forward_users
         self.forward_done = 0
+        # Weights tied across groups (.tied): lent to other groups' modules, their uses open
+        # now, this iteration's outputs (made once, taken by every use: one reduction per
+        # step), and this group's own use (its modules' UseFn views; open until its backward).
+        self.lends, self.lent_open, self._outputs_fresh = False, 0, False
+        self._own_views: tuple[torch.Tensor, ...] | None = None
+        self._own_open = False
 
     # ------------------------------------------------------------------ parameters
 
@@ -306,6 +312,8 @@ class ParamGroup:
     def _set_outputs(self, outputs: Sequence[torch.Tensor] | None) -> None:
         """Record this forward's full outputs on the parameters (``None``: forget them)."""
         if outputs is None:
+            self._outputs_fresh = False
+            self._own_views = None
             for sp in self.sharded_params:
                 sp.full = None
         else:
@@ -316,6 +324,11 @@ class ParamGroup:
         """This forward's full outputs, or ``None`` (the parameters get theirs together)."""
         fulls = [sp.full for sp in self.sharded_params]
         return None if not fulls or fulls[0] is None else fulls  # type: ignore[return-value]
+
+    def _registered_outputs(self) -> Sequence[torch.Tensor] | None:
+        """What this forward registered on the modules: a lending group's own views, else
+        the outputs (``None`` outside forward and backward)."""
+        return self._own_views if self._own_views is not None else self._outputs()
 
     def owns_full(self, i: int, t: Any) -> bool:
         """Whether ``t`` is this group's own unsharded parameter ``i`` (a view or autograd output)."""
@@ -352,6 +365,7 @@ class ParamGroup:
         self._index_params()
         self._grad_accumulator = None
         self.register_sharded()
+        self.register_lent_sharded()
         self.free()
         self.slot = GatherSlot(self.layout, self.device, self._advise)
 
@@ -503,6 +517,8 @@ class ParamGroup:
     def start_iteration(self) -> None:
         """The root's forward begins: no backward has reached this group in this iteration."""
         self.ran_post_backward = False
+        self._outputs_fresh = False
+        self.lent_open = 0
 
     def pre_forward(self, prefetch: Sequence[ParamGroup]) -> None:
         """Unshard (consuming a prefetch), start the ``prefetch`` groups' all-gathers, and put
@@ -516,9 +532,26 @@ class ParamGroup:
         self.wait_unshard()
         for g in prefetch:
             g.start_unshard()
-        outputs = self._unsharded_outputs()
-        self._set_outputs(outputs)
+        # A lending group's outputs are made once per iteration, by its first use (its own
+        # forward or another group's module: lent_full), and every later use takes them.
+        fresh = self._outputs() if self._outputs_fresh else None
+        outputs = self._unsharded_outputs() if fresh is None else tuple(fresh)
+        if fresh is None:
+            self._set_outputs(outputs)
+            self._outputs_fresh = self.lends
+        if self.lends:
+            outputs = self._own_use(outputs)
         self.register_full(outputs)
+
+    def _own_use(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """A lending group's own modules' views of its outputs: their :class:`UseFn` backward
+        ends this group's own use, so the buffer can be freed before another group's use of a
+        tied weight reaches the unshard's backward (all parameters trained: a frozen one gets
+        no gradient to wait for, and the buffer then stays until :meth:`post_backward`)."""
+        if not (torch.is_grad_enabled() and all(self._requires_grad)):
+            return outputs
+        self._own_views = tuple(UseFn.apply(self.own_backward_done, *outputs))
+        return self._own_views
 
     def _unsharded_outputs(self) -> tuple[torch.Tensor, ...]:
         """Autograd-tracked full tensors for this forward (their backward reduces the
@@ -531,7 +564,7 @@ class ParamGroup:
         """A forward inside backward (activation-checkpoint recompute): only make sure the
         full parameters are on the modules (this forward's outputs, else the buffer's views)."""
         self.wait_unshard()
-        outputs = self._outputs()
+        outputs = self._registered_outputs()
         self.register_full(outputs if outputs is not None else self.views)
 
     def post_forward(self, *, force_reshard: bool = False) -> None:
@@ -541,7 +574,10 @@ class ParamGroup:
         self.forward_done += 1
         if self.forward_done < self.forward_users:
             return
-        self._reshard_after_forward(True if force_reshard else self.config.reshard_after_forward)
+        if not self.lent_open:  # else the last other group's use reshards (lent_done)
+            self._reshard_after_forward(
+                True if force_reshard else self.config.reshard_after_forward
+            )
         # The sharded DTensors go back on the modules after every forward, also where the
         # unsharded buffer stays for the backward (the root): model.parameters() are then
         # always the tensors the optimizer, clipping, EMA and autograd.grad must see. FSDP2
@@ -554,11 +590,12 @@ class ParamGroup:
         """The backward reaches this group's outputs: all-gather again (unless
         ``unshard_in_backward`` is off) and put this forward's full parameters back."""
         self.training_state = TrainingState.PRE_BACKWARD
+        self._own_open = self.lends
         # set_unshard_in_backward(False): the backward does not read these parameters
         # (e.g. an embedding); FSDP2 skips their all-gather (and its prefetch) in backward.
         if self.config.unshard_in_backward:
             self.wait_unshard()
-            outputs = self._outputs()
+            outputs = self._registered_outputs()
             if outputs is not None:
                 self.register_full(outputs)
 
@@ -600,8 +637,10 @@ class ParamGroup:
         self._enter_post_backward()
         grads = [g if rg else None for g, rg in zip(grads, self._requires_grad)]
         if self.config.reshard_after_backward:
-            # The gradients are separate tensors: free the full parameters before packing them.
-            self.free()
+            # The gradients are separate tensors: free the full parameters before packing them
+            # (unless another group's use still reads them: lent_done frees then).
+            if not self.lent_open:
+                self.free()
             self.register_sharded()
         if self.tree is not None:
             # The canonical tree: accumulate whatever the sync flag says; reduce once per step.
@@ -637,6 +676,7 @@ class ParamGroup:
             # reduction or the last backward's callback finishes it.
             self.finish_reduce()
         self.discard_pending()
+        self.lent_open, self._own_open = 0, False
         keep, self.keep_for_double_backward = self.keep_for_double_backward, False
         if (self.config.reshard_after_backward or not self.ran_post_backward) and not keep:
             # (A create_graph backward keeps the full parameters: the double backward's
@@ -656,6 +696,7 @@ class ParamGroup:
             self.tree.reset()
         self.ran_post_backward = False
         self.forward_done = 0
+        self.lent_open, self._own_open = 0, False
         self.free()
         self.register_sharded()
         self._set_outputs(None)
@@ -669,7 +710,75 @@ class ParamGroup:
     def exit_summon(self) -> None:
         """``summon_full_params`` closes: the sharded parameters are back, the group is idle."""
         self.register_sharded()
+        self.register_lent_sharded()
         self.training_state = TrainingState.IDLE
+
+    # ------------------------------------------------------------------ lent (tied weights)
+
+    def lend(self, index: int, holders: Holders) -> None:
+        """Let ``holders`` (modules of another group) use parameter ``index`` (a weight tied
+        across groups, ``fully_shard``): this group stays its only owner (one shard, one
+        gather, one reduction); their :class:`~.tied.TiedUse` registers it during their
+        forward."""
+        self.sharded_params[index].lend(holders)
+        self.lends = True
+
+    def register_lent_sharded(self) -> None:
+        """Put the sharded parameters on the other groups' modules that use them."""
+        for sp in self.sharded_params:
+            sp.register_lent(sp.sharded)
+
+    def register_lent_full(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Put full tensors (``summon_full_params``') on the other groups' modules too."""
+        for sp, t in zip(self.sharded_params, tensors):
+            sp.register_lent(t)
+
+    def lent_full(self, index: int) -> torch.Tensor:
+        """Another group's module starts its forward with parameter ``index``: the unsharded
+        buffer is live until :meth:`lent_done`, and the parameter's full tensor of this
+        iteration is returned (made now, with this group's other outputs, when this group's
+        own forward has not run yet in the iteration)."""
+        self.wait_unshard()
+        if not self._outputs_fresh or self._outputs() is None:
+            self._set_outputs(self._unsharded_outputs())
+            self._outputs_fresh = True
+        self.lent_open += 1
+        full = self.sharded_params[index].full
+        assert full is not None
+        return full
+
+    def lent_live(self) -> None:
+        """Another group's module starts its backward (or recomputes its forward) with one of
+        this group's parameters: the buffer is live until :meth:`lent_done`."""
+        self.wait_unshard()
+        self.lent_open += 1
+
+    def lent_done(self, *, after_backward: bool) -> None:
+        """Another group's use ended (its forward, or its backward reached the parameter):
+        once no use is open and this group's own forward or backward is not running, reshard
+        as this group would after its own forward (or backward)."""
+        self.lent_open = max(0, self.lent_open - 1)
+        busy = self.training_state is TrainingState.FORWARD or (
+            self.training_state is TrainingState.PRE_BACKWARD and self._own_open
+        )
+        if self.lent_open or busy:
+            return
+        if not after_backward:
+            self._reshard_after_forward(self.config.reshard_after_forward)
+        else:
+            self._free_after_use()
+
+    def own_backward_done(self) -> None:
+        """The backward of this lending group's own modules is over (:meth:`_own_use`)."""
+        self._own_open = False
+        if not self.lent_open:
+            self._free_after_use()
+
+    def _free_after_use(self) -> None:
+        """Free the buffer after a use's backward, as after this group's own (not under a
+        ``create_graph=True`` backward, whose double backward reads it)."""
+        if self.config.reshard_after_backward and not torch.is_grad_enabled():
+            self.free()
 
     # ------------------------------------------------------------------ gradients
 
@@ -796,9 +905,10 @@ class ParamGroup:
 
     # ------------------------------------------------------------------ copies
 
-    def clone(self, holders: Sequence[Holders]) -> ParamGroup:
+    def clone(self, holders: Sequence[Holders], lent: Sequence[Holders] = ()) -> ParamGroup:
         """An independent copy of this idle group for ``copy.deepcopy``: its own sharded buffer
-        (cloned), parameters registered on ``holders`` (the copied modules), the same mesh and
+        (cloned), parameters registered on ``holders`` (the copied modules) and lent to
+        ``lent`` (the copied modules of other groups that use them), the same mesh and
         communicators (process-group handles, not state), the reduction settings, and copies
         of the unsharded (no-sync) and sharded gradients."""
         offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
@@ -820,6 +930,9 @@ class ParamGroup:
             config=GroupConfig(**settings),
             forward_users=self.forward_users,
         )
+        for i, users in enumerate(lent):
+            if users:
+                new.lend(i, users)
         if self.accumulated is not None:
             new.accumulated = [a.clone() if a is not None else None for a in self.accumulated]
         for old_p, new_p in zip(self._params, new._params):

@@ -39,6 +39,10 @@ class ShardedParam:
         sharded: the ``nn.Parameter`` (a ``DTensor``) that the optimizer and state dicts see.
         full: the full tensor this forward registered (the autograd output of the group's
             unshard, TP-local under 2-D), ``None`` outside forward and backward.
+        lent: the ``(module, attribute name)`` pairs of *other* groups' modules that use it too
+            (a weight tied across groups, :mod:`.tied`): they hold the sharded parameter
+            except while their module runs, when its :class:`~.tied.TiedUse` puts this
+            forward's full tensor there.
     """
 
     __slots__ = (
@@ -46,6 +50,7 @@ class ShardedParam:
         "full",
         "holders",
         "index",
+        "lent",
         "placements",
         "requires_grad",
         "sharded",
@@ -70,6 +75,7 @@ class ShardedParam:
         self.dtensor_spec = dtensor_spec
         self.sharded: nn.Parameter = nn.Parameter(self.dtensor(local), requires_grad=requires_grad)
         self.full: torch.Tensor | None = None
+        self.lent: Holders = []
 
     @property
     def fqn(self) -> str:
@@ -111,6 +117,16 @@ class ShardedParam:
     def register(self, t: torch.Tensor) -> None:
         """Register ``t`` (a full tensor, or a caller's source put back) on every holder."""
         for m, n in self.holders:
+            m._parameters[n] = t  # type: ignore[assignment]
+
+    def lend(self, holders: Holders) -> None:
+        """Let ``holders`` (modules of another group) use it; they hold the sharded parameter."""
+        self.lent = [*self.lent, *holders]
+        self.register_lent(self.sharded)
+
+    def register_lent(self, t: torch.Tensor) -> None:
+        """Register ``t`` on the modules of other groups that use it (:attr:`lent`)."""
+        for m, n in self.lent:
             m._parameters[n] = t  # type: ignore[assignment]
 
     def owns_full(self, t: object, view: torch.Tensor | None) -> bool:
