@@ -118,7 +118,7 @@ def case_errors() -> list[str]:
     """Bad input raises named errors before any collective; the world keeps working after."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from functional_fsdp import errors, fully_shard
+    from functional_fsdp import MixedPrecisionPolicy, errors, fully_shard
 
     seen = []
 
@@ -148,11 +148,13 @@ def case_errors() -> list[str]:
         lambda: fully_shard(nn.Linear(3, 3), shard_placement_fn=lambda p: Shard(1)),
     )
 
-    # Tied parameter across two groups.
+    # A parameter tied across two groups that compute in different dtypes (a tie across
+    # groups is otherwise shared: tests/test_tied_weights.py).
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     b.weight = a.weight
     fully_shard(a)
-    expect(errors.TiedParameterError, lambda: fully_shard(b))
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    expect(errors.TiedParameterError, lambda: fully_shard(b, mp_policy=bf16))
 
     # Running a child before its root.
     torch.manual_seed(0)

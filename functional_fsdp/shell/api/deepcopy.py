@@ -85,19 +85,25 @@ def _unique_groups(states: list[FSDPState]) -> list[ParamGroup]:
     return list(out.values())
 
 
+def _copied_holders(
+    hl: list[tuple[nn.Module, str]], name: str, memo: dict[Any, Any]
+) -> list[tuple[nn.Module, str]]:
+    row = []
+    for m, n in hl:
+        if id(m) not in memo:
+            raise StateError(
+                f"cannot deepcopy: parameter {n!r} of the group of {name!r} lives on a module "
+                "outside the module being copied; copy the module passed to fully_shard"
+            )
+        row.append((memo[id(m)], n))
+    return row
+
+
 def _copy_group(g: ParamGroup, memo: dict[Any, Any]) -> ParamGroup:
-    holders = []
-    for hl in g.holders:
-        row = []
-        for m, n in hl:
-            if id(m) not in memo:
-                raise StateError(
-                    f"cannot deepcopy: parameter {n!r} of the group of {g.name!r} lives on a module "
-                    "outside the module being copied; copy the module passed to fully_shard"
-                )
-            row.append((memo[id(m)], n))
-        holders.append(row)
-    return g.clone(holders)
+    holders = [_copied_holders(hl, g.name, memo) for hl in g.holders]
+    # A weight tied across groups: also on the copied modules of the groups that use it.
+    lent = [_copied_holders(sp.lent, g.name, memo) for sp in g.sharded_params]
+    return g.clone(holders, lent)
 
 
 def _closes_over(fn: Any, obj: Any) -> bool:
@@ -124,6 +130,15 @@ def _rebuild(states: list[FSDPState], groups: list[ParamGroup], memo: dict[Any, 
         )
         ns.user_reshard_after_forward = s.user_reshard_after_forward
         ns.is_last_backward = s.is_last_backward
+        for use in s.tied:  # weights tied across groups: the copied owner lends them
+            owner = new_groups.get(id(use.owner))
+            if owner is None:
+                raise StateError(
+                    f"cannot deepcopy: {use.name} is tied to {use.param.fqn!r} of "
+                    f"{use.owner.name} (a weight tied across groups), whose group is outside "
+                    "the module being copied; copy a module that contains both"
+                )
+            ns.tied.append(use.copied(owner, _copied_holders(use.holders, s.name, memo)))
         mod.__dict__["_ffsdp_state"] = ns
         new_states[id(s)] = ns
     for s in states:

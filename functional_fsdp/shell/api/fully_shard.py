@@ -13,7 +13,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from ...core.codec import has_hooks
-from ...core.errors import AlreadyShardedError, MeshError, PolicyError, TiedParameterError
+from ...core.errors import (
+    AlreadyShardedError,
+    MeshError,
+    PolicyError,
+    ReproducibilityError,
+    TiedParameterError,
+)
 from ...core.layout import check_sub_group_size
 from ...core.records import MixedPrecisionPolicy, OffloadPolicy, ParamSpec
 from ...core.reproducible import ReproduciblePolicy
@@ -23,6 +29,7 @@ from ..comm.scoped import scoped
 from ..engine.autograd import explain_forward_ad_on_dtensor
 from ..engine.config import GroupConfig
 from ..engine.group import ParamGroup, TrainingState, layout_for
+from ..engine.tied import TiedUse
 from ..io.reload import readopt_after_load
 from ..parallel.tensor_parallel import (
     TensorParallelPlan,
@@ -104,7 +111,8 @@ def fully_shard(
     ignored = set(ignored_params or ())
     name = type(modules[0]).__name__
 
-    params, holders, fqns = _collect_params(modules, ignored, name)
+    params, holders, fqns, borrowed = _collect_params(modules, ignored, name)
+    _check_borrowed(borrowed, mesh, mp, reproducible, name)
     group = None
     if params:
         tp = plan_tensor_parallel(
@@ -115,9 +123,7 @@ def fully_shard(
         group = _build_group(
             params, holders, fqns, mesh, config, shard_placement_fn, mp, offload, name, tp, users
         )
-        for p in params:
-            setattr(p, _OWNER_ATTR, name)
-    _attach(modules, group, mp, name, reshard_after_forward)
+    _attach(modules, group, mp, name, reshard_after_forward, borrowed)
     return module
 
 
@@ -164,8 +170,10 @@ def _attach(
     mp: MixedPrecisionPolicy,
     name: str,
     reshard_after_forward: bool | int | None,
+    borrowed: Borrowed,
 ) -> None:
-    """Give each module its FSDP state, forward hooks, state-dict hooks and FSDP class."""
+    """Give each module its FSDP state, forward hooks, state-dict hooks and FSDP class, and
+    the parameters of other groups it uses (``borrowed``, tied across groups)."""
     state = FSDPState(modules[0], group, mp, name)
     state.user_reshard_after_forward = reshard_after_forward
     for i, m in enumerate(modules):
@@ -182,16 +190,24 @@ def _attach(
         m.register_state_dict_pre_hook(_to_sharded_hook)
         m._register_load_state_dict_pre_hook(_to_sharded_hook, with_module=True)
         swap_class(m)
+    _borrow(borrowed)
 
 
 Holders = dict[int, list[tuple[nn.Module, str]]]
+# A parameter another group owns, held by one of this call's modules: (owner group, its index
+# there, the module of this call that holds it, the (module, name) pairs under that module,
+# its name there).
+Borrowed = dict[
+    tuple[int, int], tuple[ParamGroup, int, nn.Module, list[tuple[nn.Module, str]], str]
+]
 
 
 def _collect_params(
     modules: list[nn.Module], ignored: set[nn.Parameter], name: str
-) -> tuple[list[nn.Parameter], Holders, dict[int, str]]:
+) -> tuple[list[nn.Parameter], Holders, dict[int, str], Borrowed]:
     """The parameters a new group manages (not already managed below, not ignored), every
-    ``(module, name)`` that holds each, and their names; a parameter of another group raises."""
+    ``(module, name)`` that holds each, and their names; and the parameters another group
+    already owns (tied across groups: this call's modules borrow them), by module of the call."""
     managed_below: set[int] = set()
     for m in modules:
         for sub in m.modules():
@@ -201,25 +217,72 @@ def _collect_params(
     params: list[nn.Parameter] = []
     holders: Holders = {}
     fqns: dict[int, str] = {}
+    borrowed: Borrowed = {}
     for m in modules:
         for mod_name, sub in m.named_modules(remove_duplicate=False):
             for pname, p in list(sub._parameters.items()):
                 if p is None or id(p) in managed_below or p in ignored:
                     continue
                 owner = getattr(p, _OWNER_ATTR, None)
-                if owner is not None:
-                    raise TiedParameterError(
-                        f"parameter {mod_name + '.' + pname if mod_name else pname!r} of {name} is "
-                        f"already managed by another FSDP group ({owner!r}); a parameter tied "
-                        "across groups cannot be sharded twice: call fully_shard on a common parent "
-                        "that holds both users, or untie the weights"
-                    )
+                fqn = f"{mod_name}.{pname}" if mod_name else pname
+                if owner is not None:  # tied to a parameter another group owns: borrow it
+                    entry = borrowed.setdefault((id(p), id(m)), (owner[1], owner[2], m, [], fqn))
+                    entry[3].append((sub, pname))
+                    continue
                 if id(p) not in holders:
                     holders[id(p)] = []
                     params.append(p)
-                    fqns[id(p)] = f"{mod_name}.{pname}" if mod_name else pname
+                    fqns[id(p)] = fqn
                 holders[id(p)].append((sub, pname))
-    return params, holders, fqns
+    return params, holders, fqns, borrowed
+
+
+def _check_borrowed(
+    borrowed: Borrowed,
+    mesh: DeviceMesh,
+    mp: MixedPrecisionPolicy,
+    reproducible: ReproduciblePolicy | None,
+    name: str,
+) -> None:
+    """Refuse, before anything changes, a weight tied across groups that the owner cannot
+    lend to this call's modules (``engine/tied.py``: the owner's full tensor is used as is)."""
+    for owner, index, _, _, fqn in borrowed.values():
+        tied = (
+            f"parameter {fqn!r} of {name} is tied to {owner.sharded_params[index].fqn!r} of "
+            f"{owner.name}, whose group shards it already (a weight tied across groups)"
+        )
+        fix = None
+        if owner.tp is not None:
+            fix = "weights tied across groups are not supported under tensor parallelism"
+        elif owner.mesh != mesh:
+            fix = "the two groups shard over different meshes; pass the same mesh to both"
+        elif owner.layout.codec_inputs is not None:
+            fix = "the owner all-gathers tensor subclasses through their fsdp_*_all_gather hooks"
+        elif owner.mp_policy.param_dtype != mp.param_dtype:
+            fix = (
+                f"the groups compute in different dtypes ({owner.mp_policy.param_dtype} and "
+                f"{mp.param_dtype}); pass the same MixedPrecisionPolicy(param_dtype=...) to both"
+            )
+        if fix is not None:
+            raise TiedParameterError(
+                f"{tied}: {fix}. Otherwise call fully_shard on a common parent that holds both "
+                "users (one group), or untie the weights"
+            )
+        if owner.config.reproducible != reproducible:
+            raise ReproducibilityError(
+                f"{tied}: that group reduces its gradient with reproducible="
+                f"{owner.config.reproducible!r} and this call asks for {reproducible!r}; pass "
+                "the same ReproduciblePolicy to every fully_shard call"
+            )
+
+
+def _borrow(borrowed: Borrowed) -> None:
+    """Give each module of this call a :class:`TiedUse` per parameter of another group that it
+    holds: the owner lends it (its sharded parameter is registered there from now on)."""
+    for owner, index, m, hl, fqn in borrowed.values():
+        owner.lend(index, hl)
+        state: Any = m._ffsdp_state
+        state.tied.append(TiedUse(owner, index, hl, f"{fqn!r} of {state.name}"))
 
 
 def _to_sharded_hook(module: nn.Module, *args: Any, **kwargs: Any) -> None:
@@ -341,6 +404,8 @@ def _build_group(
         forward_users=users,
     )
     adopt_codecs(group, templates, mesh, raf)
+    for i, p in enumerate(params):  # a later fully_shard holding it borrows it (tied weights)
+        setattr(p, _OWNER_ATTR, (name, group, i))
     return group
 
 

@@ -30,6 +30,7 @@ from ..engine.functional_path import (
     substituted,
 )
 from ..engine.group import ParamGroup
+from ..engine.tied import LentCall, TiedUse
 
 __all__ = ["TP_TRANSFORM_MESSAGE", "ForwardState", "Functional", "post_forward", "pre_forward"]
 
@@ -53,6 +54,8 @@ class ForwardState(Protocol):
     depth: int
     in_forward: bool
     functional: Functional | None
+    tied: list[TiedUse]
+    lent_calls: dict[int, LentCall]
 
     @property
     def root(self) -> ForwardState | None:
@@ -98,6 +101,7 @@ def pre_forward(state: ForwardState) -> bool:
         fwd = FunctionalForward()
         if state.is_root:
             root.functional = fwd
+            root.lent_calls = {}
     else:
         rec = root.functional
         if not isinstance(rec, (FunctionalForward, GatherCall)):
@@ -108,18 +112,32 @@ def pre_forward(state: ForwardState) -> bool:
         fwd = maybe
     g = state.group
     if g is not None:
-        call = GatherCall(g, fwd)
-        sources = tuple(registered_sources(g))
-        check_sources(g, sources)
+        lent = root.lent_calls.get(id(g)) if g.lends else None
+        if lent is None:
+            call = GatherCall(g, fwd)
+            sources = tuple(registered_sources(g))
+            check_sources(g, sources)
+            call.prefetch = fwd.prefetched.pop(state, None)
+            fulls = GatherFn.apply(call, *sources)
+            fwd.calls.append(call)
+            if g.lends:  # other groups' modules use its weights: they take this gather
+                lent = root.lent_calls[id(g)] = LentCall(call, fulls, sources)
+        else:  # another group's use of its weight gathered it earlier in this forward
+            call, fulls, sources = lent.call, lent.fulls, lent.sources
+            call.ensure_gathered()  # (that use's end may have resharded it)
+        if lent is not None:
+            lent.owner_forward(True)
         call.sources = sources
-        call.prefetch = fwd.prefetched.pop(state, None)
-        fulls = GatherFn.apply(call, *sources)
         g.register_full(fulls)
-        fwd.calls.append(call)
         call.is_root = state.is_root
         state.functional = call
     elif not state.is_root:
         state.functional = _Marker()
+    for use in state.tied:  # weights of other groups: their owner's gather of this call
+        owner = use.owner
+        if id(owner) not in root.lent_calls:
+            root.lent_calls[id(owner)] = LentCall.make(owner, fwd)
+        use.functional_pre_forward(root.lent_calls[id(owner)])
     _prefetch_next(state, fwd)
     return True
 
@@ -171,29 +189,47 @@ def post_forward(state: ForwardState, output: Any) -> Any:
     rec = state.functional
     state.functional = None
     root = state.root
+    tensors = []
+    if torch.is_grad_enabled():
+        tensors = [
+            t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+    for use in state.tied:
+        lent = use.functional_post_forward()
+        if lent is not None and tensors:  # its backward reads the owner's buffer again
+            torch.autograd.graph.register_multi_grad_hook(tensors, lent.lent_live, mode="any")
+    lent = None
+    if isinstance(rec, GatherCall) and root is not None and rec.group.lends:
+        lent = root.lent_calls.get(id(rec.group))
     if state.is_root or (root is not None and not root.in_forward):
         # The state that opened this functional forward closes it.
         fwd = rec.forward if isinstance(rec, GatherCall) else rec
         if isinstance(fwd, FunctionalForward):
             fwd.drain()
             fwd.calls.clear()  # the graph keeps the calls it needs (no reference cycle)
+        if root is not None:
+            root.lent_calls = {}
     if not isinstance(rec, GatherCall):
         return output
+    return _close_call(rec, lent, tensors, output)
+
+
+def _close_call(rec: GatherCall, lent: LentCall | None, tensors: list, output: Any) -> Any:
+    """A group's functional forward ended: the caller's tensors back on its modules, its buffer
+    resharded (unless another group's use still reads it), the re-gather hooked for backward."""
     rec.forward = None
     g = rec.group
     for sp, src in zip(g.sharded_params, rec.sources):
         sp.register(src)
     rec.sources = ()
-    tensors = []
-    if torch.is_grad_enabled():
-        tensors = [
-            t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
+    may_free = True if lent is None else lent.owner_forward(False)
     if not tensors:
         # Nothing saved for backward: drop the buffer (outputs aliasing it keep it alive).
-        rec.slot = None
+        if lent is None:
+            rec.slot = None
         return output
-    if g.config.reshard_after_forward is not False:
+    if g.config.reshard_after_forward is not False and may_free:
         rec.free()
-    torch.autograd.graph.register_multi_grad_hook(tensors, rec.pre_backward_hook, mode="any")
+    hook = rec.pre_backward_hook if lent is None else lent.owner_backward
+    torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
     return output

@@ -397,6 +397,8 @@ class FSDPModule(TorchFSDPModule):
         g = self._ffsdp_state.group
         if g is not None:
             g.refresh_from_modules()
+        for use in self._ffsdp_state.tied:  # a weight tied across groups: the owner's again
+            use.to_sharded()
         return ret
 
 

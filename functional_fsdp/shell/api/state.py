@@ -13,11 +13,12 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
-from ...core.errors import PolicyError, StateError
+from ...core.errors import PolicyError, StateError, TiedParameterError
 from ...core.records import MixedPrecisionPolicy
 from ..comm.scoped import introduce, resync
 from ..engine.group import ParamGroup, ReduceChain
 from ..engine.group_common import traced
+from ..engine.tied import LentCall, TiedUse
 from . import functional_call
 
 __all__ = ["FSDPState", "hooks_for", "register_fsdp_forward_method"]
@@ -69,6 +70,11 @@ class FSDPState:
         self.calls: list[list[bool]] = []
         # Root: a forward raised since the last reset; the next forward resets first.
         self.interrupted = False
+        # Parameters of other groups that this state's modules use (weights tied across
+        # groups, engine/tied.py), and the root's: the lending groups' gathers of the
+        # functional forward in progress, by group.
+        self.tied: list[TiedUse] = []
+        self.lent_calls: dict[int, LentCall] = {}
 
     @property
     def is_root(self) -> bool:
@@ -127,6 +133,7 @@ class FSDPState:
                             "within one group (fully_shard a common parent) or untie it"
                         )
                     seen[id(p)] = s.name
+        _check_tied_under_root(self, states)
         self.all_states = states
         # Collectives that wait past the grace period name their group by module path.
         paths = {id(m): p for p, m in self.module.named_modules()}
@@ -171,6 +178,8 @@ class FSDPState:
             # Activation-checkpoint recompute: only make sure the parameters are unsharded.
             if g is not None:
                 g.unshard_for_recompute()
+            for use in self.tied:
+                use.recompute()
             return args, kwargs
         self.depth += 1
         if self.depth > 1:
@@ -194,6 +203,8 @@ class FSDPState:
         else:
             for pg in prefetch:
                 pg.start_unshard()
+        for use in self.tied:  # weights of other groups: their owner's full tensors
+            use.pre_forward()
         return args, kwargs
 
     def forward_prefetch_targets(self) -> list[FSDPState]:
@@ -211,7 +222,7 @@ class FSDPState:
             i = order.index(self)
         except ValueError:
             return []
-        nxt = [s for s in order[i + 1 :] if s.group is not None][:1]
+        nxt = [s for s in order[i + 1 :] if s.group is not None or s.tied][:1]
         return nxt
 
     @traced("post_forward")
@@ -247,6 +258,9 @@ class FSDPState:
                 and self.is_root
                 and self.user_reshard_after_forward is None
             )
+        if not functional:
+            for use in self.tied:
+                use.post_forward()
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
         if self.is_root:
@@ -268,8 +282,13 @@ class FSDPState:
             Variable._execution_engine.queue_callback(root._final_callback)
         if self.group is not None:
             self.group.pre_backward()
-        for pg in _groups(self.backward_prefetch_targets()):
-            pg.prefetch_for_backward()
+        for use in self.tied:
+            use.pre_backward()
+        for t in self.backward_prefetch_targets():
+            if t.group is not None:
+                t.group.prefetch_for_backward()
+            for use in t.tied:  # another group's weight the target's backward reads
+                use.owner.start_unshard()
 
     def backward_prefetch_targets(self) -> list[FSDPState]:
         """The states whose groups this one's backward prefetches (explicit, else the group
@@ -284,7 +303,7 @@ class FSDPState:
             i = order.index(self)
         except ValueError:
             return []
-        return [s for s in order[i + 1 :] if s.group is not None][:1]
+        return [s for s in order[i + 1 :] if s.group is not None or s.tied][:1]
 
     def _final_callback(self) -> None:
         """Root: finish every group (reductions, groups that got no gradient) and go idle."""
@@ -296,6 +315,9 @@ class FSDPState:
         for s in self.all_states:
             if s.group is not None:
                 s.group.finish_backward(self.is_last_backward)
+        for s in self.all_states:
+            for use in s.tied:
+                use.finish()
 
     def reset(self) -> None:
         """``reset_iter_state``: drop in-flight work, reshard, go idle (after an exception)."""
@@ -306,6 +328,8 @@ class FSDPState:
                 s.group.reset_iter_state()
         for s in states:
             s.depth = 0
+            for use in s.tied:
+                use.finish()
         if self.root is not None:
             self.root.callback_queued = False
             self.root.in_forward = False
@@ -321,7 +345,25 @@ class FSDPState:
 
 
 def _groups(states: list[FSDPState]) -> list[ParamGroup]:
-    return [s.group for s in states if s.group is not None]
+    """The groups the states' forwards gather: their own, and the owners of the weights of
+    other groups their modules use (tied across groups)."""
+    out = [s.group for s in states if s.group is not None]
+    return out + [u.owner for s in states for u in s.tied if all(u.owner is not o for o in out)]
+
+
+def _check_tied_under_root(root: FSDPState, states: list[FSDPState]) -> None:
+    """A weight tied across groups must be owned by a group under the same root: one
+    iteration (one forward, one final callback) then covers every use."""
+    groups = {id(s.group) for s in states if s.group is not None}
+    for s in states:
+        for use in s.tied:
+            if id(use.owner) not in groups:
+                raise TiedParameterError(
+                    f"{use.name} is tied to {use.param.fqn!r} of {use.owner.name} (a weight "
+                    f"tied across groups), but that group is not under the root {root.name!r}; "
+                    "call fully_shard on a module that contains both (the model) and run "
+                    "forward through it"
+                )
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:

@@ -39,6 +39,11 @@ def readopt_after_load(module: nn.Module, incompatible_keys: Any) -> None:
     """
     del incompatible_keys
     state = getattr(module, "_ffsdp_state", None)
+    for use in state.tied if state is not None else ():
+        # A weight tied across groups: the owner's parameter again (assign=True put the
+        # state dict's own object there); the owner re-adopts its value from its own modules.
+        if use.owner.training_state is TrainingState.IDLE:
+            use.to_sharded()
     group: ParamGroup | None = state.group if state is not None else None
     if group is None or group.training_state is not TrainingState.IDLE:
         return

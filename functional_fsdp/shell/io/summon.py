@@ -183,13 +183,15 @@ def _fsdp_states(module: nn.Module, recurse: bool) -> list[Any]:
 
 
 def _unique_groups(states: Sequence[Any]) -> list[ParamGroup]:
+    """The states' groups, and the owners of the weights of other groups their modules use
+    (tied across groups: summoned with them, on every module that holds them)."""
     seen: set[int] = set()
     out = []
     for s in states:
-        g = s.group
-        if g is not None and id(g) not in seen:
-            seen.add(id(g))
-            out.append(g)
+        for g in (s.group, *(use.owner for use in s.tied)):
+            if g is not None and id(g) not in seen:
+                seen.add(id(g))
+                out.append(g)
     return out
 
 
@@ -311,6 +313,7 @@ class _Summoned:
         self.fulls = fulls
         if g.tp is None:
             g.register_full(fulls)
+            g.register_lent_full(fulls)  # a weight tied across groups: on both groups' modules
         else:  # plain global tensors, not the TP DTensors of a forward
             for sp, t in zip(g.sharded_params, fulls):
                 sp.register(t)
