@@ -85,6 +85,7 @@ def adopt_codecs(
         group._advise,
         codecs=codecs,
         abort=lambda: _abort_peers(group.base_comms()),
+        runtime=group.runtime,
     )
     group.use_gather_codecs(layout, slot)
 

@@ -144,9 +144,14 @@ class FSDPState:
                 named[id(s.group)] = (label, s.group.comms())
         introduce(list(named.values()))
         chain = ReduceChain()
+        # One device runtime per model (one set of streams and events): the root's group's,
+        # else the first group's (states start with the root).
+        runtime = next((s.group.runtime for s in states if s.group is not None), None)
         for s in states:
             if s.group is not None:
                 s.group.join_reduce_chain(chain)
+                if runtime is not None:
+                    s.group.use_runtime(runtime)
         if self.group is not None and self.user_reshard_after_forward is None:
             self.group.configure(reshard_after_forward=False)
 

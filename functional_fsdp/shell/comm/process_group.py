@@ -36,6 +36,9 @@ _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
 # Collectives remembered per communicator (what each rank ran as collective #n, for the
 # mismatch check; and the ones posted but not yet waited for, for resync).
 _RING = 4096
+# Every communicator of this process, by process group (resync updates the ones no group
+# owns too, e.g. the functional step's norm communicator: scoped.resync).
+LIVE: weakref.WeakSet[ProcessGroupComm] = weakref.WeakSet()
 
 
 class _ThenWork:
@@ -121,6 +124,7 @@ class ProcessGroupComm:
         self._pg_prefix = f"ffsdp/{getattr(self.group, 'group_name', 'pg')}/"
         self._uid = self._next_id("comms") if self._world_size > 1 else 0
         self._aborts_seen = self._aborts() if self._world_size > 1 else 0
+        LIVE.add(self)
 
     @property
     def supports_pieces(self) -> bool:
@@ -195,7 +199,15 @@ class ProcessGroupComm:
         """Wait for ``works`` (collective ``seq`` of this epoch, or ``what``); raise a named
         error (never hang) when the peers diverged or abandoned them. Costs nothing when they
         are already complete; the store is read every 0.1 s of waiting (the peers' abort flag)
-        and, past ``grace_s``, the ranks' positions are compared every 0.5 s."""
+        and, past ``grace_s``, the ranks' positions are compared every 0.5 s.
+
+        On NCCL a wait is a stream dependency, not a host wait: it runs here, on the caller's
+        thread, so the caller's current stream (the engine's side stream) waits for the work
+        (NCCL's own watchdog bounds it)."""
+        if self.backend == "nccl":
+            for w in works:
+                w.wait()
+            return
         if all(w.is_completed() for w in works):
             for w in works:
                 w.wait()

@@ -45,6 +45,8 @@ from ...core import layout as L
 from ...core import transitions as T
 from ...core.errors import UnsupportedError
 from ...core.records import ShardedState
+from ..device.runtime import DeviceRuntime
+from . import ordering
 from .gather import GatherSlot
 from .group import ParamGroup
 from .param import ShardedParam
@@ -143,22 +145,28 @@ class DeferredReductions:
     ATTR = "_ffsdp_deferred_reductions"
 
     def __init__(self) -> None:
-        self._pending: list[tuple[T.PendingReduce, list[torch.Tensor | None]]] = []
+        self._pending: list[tuple[T.PendingReduce, list[torch.Tensor | None], DeviceRuntime]] = []
 
     def tag(self, tensors: Sequence[torch.Tensor]) -> None:
         """Mark ``tensors`` (the parameters a forward will use) as deferring into ``self``."""
         for t in tensors:
             setattr(t, self.ATTR, self)
 
-    def add(self, pending: T.PendingReduce, results: list[torch.Tensor | None]) -> None:
-        """Record a reduction in flight and the tensors its results must land in."""
-        self._pending.append((pending, results))
+    def add(
+        self,
+        pending: T.PendingReduce,
+        results: list[torch.Tensor | None],
+        runtime: DeviceRuntime,
+    ) -> None:
+        """Record a reduction in flight (issued on ``runtime``'s streams) and the tensors its
+        results must land in."""
+        self._pending.append((pending, results, runtime))
 
     def wait(self) -> None:
         """Finish every reduction in flight (in issue order)."""
         pending, self._pending = self._pending, []
-        for p, results in pending:
-            new = T.finish_reduce(p, accumulate=False)
+        for p, results, runtime in pending:
+            new = ordering.finish_reduce(runtime, p)
             for i, dst in enumerate(results):
                 src = new.local_grad(i)
                 if dst is None or src is None:
@@ -250,6 +258,7 @@ class GatherCall:
             # Plain tensors only (the sources were unwrapped): a torch.func transform must not
             # see the collective's writes into this call's buffer as mutations of its inputs.
             self.slot.gather(self.sharded, g.comm)
+            self.slot.mark_read("the functional forward", g.name)
             return tuple(v.view_as(v) for v in self.slot.views)
 
     def free(self) -> None:
@@ -270,6 +279,7 @@ class GatherCall:
         if self.slot is not None and self.sharded is not None:
             with torch._C._DisableFuncTorch():
                 self.slot.gather(self.sharded, self.group.comm)
+            self.slot.mark_read("the functional backward", self.group.name)
 
     def pre_backward_hook(self, _grad: Any) -> None:
         """Before this group's backward: gather again; prefetch the previous group's re-gather."""
@@ -295,7 +305,7 @@ class GatherCall:
         if deferred is not None:
             pending = g.begin_reduce(grads, self.sharded, async_op=True, all_reduce=True)
             locals_ = _deferred_results(pending)
-            deferred.add(pending, locals_)
+            deferred.add(pending, locals_, g.runtime)
         else:
             # The group's own record keeps the residual the reduction returns (a caller's
             # sources have none: compression refuses the functional path).

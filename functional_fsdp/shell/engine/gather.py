@@ -12,9 +12,10 @@ they pass (a :class:`~functional_fsdp.core.records.ShardedState` or a
 :class:`~functional_fsdp.core.records.PostForwardState`) and the communicator.
 
 A slot is a handle, not a record: it owns live storage (resized to 0 when freed, so views
-autograd saved stay valid objects) and in-flight work. The *version* it remembers is the
-source's version when the gather was issued (:meth:`ParamGroup.sharded_version`); a caller
-compares it before reusing the data.
+autograd saved stay valid objects) and in-flight work. Its device runtime orders the copy-in,
+the all-gather, the copy-out and the frees on streams (:mod:`.ordering`). The *version* it
+remembers is the source's version when the gather was issued
+(:meth:`ParamGroup.sharded_version`); a caller compares it before reusing the data.
 
 Tensor subclasses with FSDP2's all-gather hooks (``fsdp_pre_all_gather`` /
 ``fsdp_post_all_gather``): :func:`~functional_fsdp.shell.api.codecs.adopt_codecs` (called by
@@ -40,6 +41,8 @@ from ...core import transitions as T
 from ...core.comm import Communicator
 from ...core.errors import GatherCodecError
 from ...core.records import GroupLayout, PostForwardState, ShardedState
+from ..device.runtime import CPURuntime, DeviceRuntime
+from . import ordering
 from .group_common import _preserve_version
 
 __all__ = ["GatherSlot"]
@@ -59,6 +62,8 @@ class GatherSlot:
         codecs: per parameter, its all-gather codec (``None``: the identity), or ``None`` when
             every codec is the identity.
         abort: called before a codec's error propagates (tells the peers not to wait).
+        runtime: the device runtime (default: the CPU's); the group replaces it with the
+            root's at lazy init.
 
     Attributes:
         layout: the group layout (the buffer holds ``world_size`` rows of its wire packing:
@@ -72,6 +77,7 @@ class GatherSlot:
         live: whether ``buffer`` holds gathered data now.
         version: the source version the live data was gathered from.
         output: the padded gather output kept for ``reshard_after_forward=k``, else ``None``.
+        runtime: the device runtime the slot's operations run on.
     """
 
     __slots__ = (
@@ -79,6 +85,7 @@ class GatherSlot:
         "_advise",
         "_dtype",
         "_numel",
+        "_staged",
         "buffer",
         "codecs",
         "device",
@@ -88,6 +95,7 @@ class GatherSlot:
         "output",
         "pending",
         "pending_version",
+        "runtime",
         "version",
         "views",
     )
@@ -100,8 +108,10 @@ class GatherSlot:
         *,
         codecs: Sequence[C.GatherCodec | None] | None = None,
         abort: Callable[[], None] = _nothing,
+        runtime: DeviceRuntime | None = None,
     ) -> None:
         self.layout = layout
+        self.runtime: DeviceRuntime = CPURuntime() if runtime is None else runtime
         self.device = device
         self._advise = advise
         self.codecs = None if codecs is None else tuple(codecs)
@@ -116,10 +126,12 @@ class GatherSlot:
         self.version = -1
         self.pending_version = -1  # the source version of the gather in flight
         self.output: torch.Tensor | None = None
+        self._staged: torch.Tensor | None = None  # an offloaded source's device copy in flight
 
     def alloc(self) -> torch.Tensor:
         """The buffer with its storage allocated (made on first use, re-grown after a free,
-        with the codecs' inner tensors)."""
+        with the codecs' inner tensors), on the compute stream."""
+        rt = self.runtime
         if self.buffer is None:
             # A normal tensor even when first made under inference_mode: later training
             # forwards save views of it for backward (and need its version counter).
@@ -137,6 +149,10 @@ class GatherSlot:
                 n = t.numel() * t.element_size()
                 if t.untyped_storage().size() != n:
                     t.untyped_storage().resize_(n)
+                rt.allocated(rt.compute, t)
+        # (A free still deferred on the device is cancelled: the new writer is ordered after
+        # the old readers by events.)
+        rt.allocated(rt.compute, self.buffer)
         return self.buffer
 
     def start(
@@ -146,11 +162,13 @@ class GatherSlot:
         *,
         version: int = -1,
         direct: bool = True,
+        stage_to: torch.device | None = None,
     ) -> None:
         """Issue the all-gather of ``source`` (async) unless live or already in flight.
 
         ``direct``: gather straight into the buffer when the communicator can (no copy-out);
         ``False`` keeps the padded output (``reshard_after_forward=k`` slices it).
+        ``stage_to``: copy an offloaded source's shards to this device first (CPU offload).
         """
         if self.live or self.pending is not None:
             return
@@ -158,8 +176,8 @@ class GatherSlot:
         into = self.alloc() if direct and isinstance(source, ShardedState) else None
         try:
             with torch.no_grad(), _preserve_version(into):
-                self.pending = T.begin_unshard(
-                    source, comm, codecs=self.codecs, async_op=True, into=into
+                self.pending, self._staged = ordering.issue_gather(
+                    self.runtime, source, comm, codecs=self.codecs, into=into, stage_to=stage_to
                 )
         except GatherCodecError:  # a pre hook failed: the peers must not wait for this rank
             self._abort()
@@ -174,9 +192,17 @@ class GatherSlot:
         # start allocated the buffer when it passed it (the pieces may have landed there).
         buf = self.alloc() if pending.into is None else pending.into
         keep = buf if self.codecs is None else (buf, *self.inner, *self.views)
+        staged, self._staged = self._staged, None
         try:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(keep):
-                landed = T.land_unshard(pending, into=buf, out=self.views or None)
+                landed = ordering.land_gather(
+                    self.runtime,
+                    pending,
+                    staged,
+                    into=buf,
+                    out=self.views or None,
+                    keep_output=keep_output,
+                )
         except GatherCodecError:  # a post hook failed: the peers must not wait for this rank
             self._abort()
             raise
@@ -203,29 +229,44 @@ class GatherSlot:
         self.start(source, comm, version=version, direct=direct)
         self.wait(keep_output=keep_output)
 
+    def mark_read(self, what: str, name: str) -> None:
+        """Compute is about to read the unsharded parameters (``what``: the forward, the
+        backward, of group ``name``): told to a checking runtime, which holds the next free
+        to it."""
+        rt = self.runtime
+        if rt.checks and self.buffer is not None:
+            label = f"{what} of {name} (reads its unsharded parameters)"
+            rt.access(rt.compute, label, reads=[self.buffer, *self.inner])
+
     def free(self) -> None:
         """Free the buffer's storage and the codecs' inner tensors' (views saved by autograd
-        stay valid objects)."""
+        stay valid objects), after their last readers on compute."""
+        events = ordering.consumers_done(self.runtime)
         if self.pending is not None and self.pending.into is not None:
             # A gather in flight writes into this buffer: let it land before freeing.
-            self.pending.work.wait()
-            self.pending = None
-        buf = self.buffer
-        if buf is not None and buf.untyped_storage().size() != 0:
-            buf.untyped_storage().resize_(0)
-        for t in self.inner:
-            if t.untyped_storage().size() != 0:
-                t.untyped_storage().resize_(0)
+            events.append(self._retire())
+        self._release(events)
+
+    def _release(self, events: list[Any]) -> None:
+        """Free the buffer, the inner tensors and a kept output after ``events``."""
+        kept = [t for t in (self.buffer, self.output) if t is not None]
+        ordering.free_buffers(self.runtime, [*kept, *self.inner], events)
         self.live = False
         self.output = None
+
+    def _retire(self) -> Any:
+        """Wait for the gather in flight, which nobody lands; free its own buffers after it."""
+        pending, self.pending = self.pending, None
+        staged, self._staged = self._staged, None
+        assert pending is not None
+        return ordering.retire_gather(self.runtime, pending, staged)
 
     def discard(self) -> None:
         """Drop a gather in flight that will not be used (wait for it: every rank issued it)."""
         if self.pending is not None:
-            self.pending.work.wait()
-            self.pending = None
+            gathered = self._retire()
             if not self.live:
-                self.free()
+                self._release([*ordering.consumers_done(self.runtime), gathered])
 
     def abandon(self) -> list[Any]:
         """Forget in-flight work without waiting (a peer may never complete it); return what
@@ -233,9 +274,10 @@ class GatherSlot:
         buffer included: the slot allocates a fresh one from now on)."""
         kept: list[Any] = []
         if self.pending is not None:
-            kept = [self.pending, self.buffer]
+            kept = [self.pending, self.buffer, self._staged]
             self.buffer, self.views, self.inner = None, (), ()
         self.pending = None
+        self._staged = None
         self.live = False
         self.output = None
         return kept

@@ -39,11 +39,14 @@ from ...core.records import (
     PostForwardState,
     ShardedState,
 )
-from ...core.reproducible import PendingTreeReduce, finish_tree_reduce
+from ...core.reproducible import PendingTreeReduce
 from ..comm.custom import CustomCollectiveComm, base_comm, unwrap, with_all_reduce_hook
 from ..comm.process_group import ProcessGroupComm
 from ..comm.scoped import ScopedComm
+from ..device import runtime_for
+from ..device.runtime import DeviceRuntime
 from ..parallel.tensor_parallel import TensorParallelPlan
+from . import ordering
 from .autograd import UnshardFn, UseFn, reduce_differentiably
 from .config import GroupConfig
 from .gather import GatherSlot
@@ -85,6 +88,9 @@ class ParamGroup:
         tp: the :class:`~.tensor_parallel.TensorParallelPlan` of 2-D FSDP + TP, or ``None``.
         config: the settings (``FSDPModule.set_*`` replace it through :meth:`configure`).
         forward_users: how many modules forward through the group (``fully_shard([m1, m2])``).
+        runtime: the device runtime its copies, collectives and frees run on (default: the
+            device's, :func:`~functional_fsdp.shell.device.runtime_for`); the root's lazy init
+            gives every group of the model the root's (:meth:`use_runtime`).
     """
 
     def __init__(
@@ -105,8 +111,10 @@ class ParamGroup:
         tp: TensorParallelPlan | None = None,
         config: GroupConfig | None = None,
         forward_users: int = 1,
+        runtime: DeviceRuntime | None = None,
     ) -> None:
         self.layout = layout
+        self.runtime: DeviceRuntime = runtime_for(device) if runtime is None else runtime
         self.tp = tp
         self.state = state
         self.mesh = mesh
@@ -141,7 +149,7 @@ class ParamGroup:
         # write to a sharded parameter since (load_state_dict, an optimizer step, copy_, summon
         # writeback) changes sharded_version() and makes that data stale.
         self._advise = huge_page_advisor()
-        self.slot = GatherSlot(layout, device, self._advise)
+        self.slot = GatherSlot(layout, device, self._advise, runtime=self.runtime)
         self._post_forward_state: PostForwardState | None = None
         self._post_forward_version = -1
         self.pending_reduce: T.PendingReduce | PendingTreeReduce | None = None
@@ -280,6 +288,12 @@ class ParamGroup:
         """Share the root's one reduction in flight (its lazy init)."""
         self.reduce_chain = chain
 
+    def use_runtime(self, runtime: DeviceRuntime) -> None:
+        """Run on ``runtime`` from now on: the root's (its lazy init: one set of streams and
+        events per model), or a test's stream-ordering simulator. The group must be idle."""
+        self.runtime = runtime
+        self.slot.runtime = runtime
+
     def summon_comm(self) -> Communicator:
         """The shard group's communicator for ``summon_full_params`` (tags of their own)."""
         return self.comm.for_summon() if isinstance(self.comm, ScopedComm) else self.comm
@@ -367,7 +381,7 @@ class ParamGroup:
         self.register_sharded()
         self.register_lent_sharded()
         self.free()
-        self.slot = GatherSlot(self.layout, self.device, self._advise)
+        self.slot = self.new_slot()
 
     # ------------------------------------------------------------------ unshard / reshard
 
@@ -405,7 +419,7 @@ class ParamGroup:
 
     def new_slot(self) -> GatherSlot:
         """A fresh unsharded copy of this group's layout (a functional call gathers into one)."""
-        return GatherSlot(self.layout, self.device, self._advise)
+        return GatherSlot(self.layout, self.device, self._advise, runtime=self.runtime)
 
     # The unsharded copy (one GatherSlot; read-only views of it for callers and tests).
 
@@ -439,27 +453,24 @@ class ParamGroup:
                 self._post_forward_state, self.sub_comm, version=self._post_forward_version
             )
             return
+        # CPU offload: the slot copies the shards to the device on the copy-in stream.
         self.slot.start(
-            self._gather_source(),
+            self.state,
             self.comm,
             version=now,
             direct=not self.config.keeps_gather_output,
+            stage_to=self.device if self.offload else None,
         )
-
-    def _gather_source(self) -> ShardedState:
-        if self.offload and self.state.flat.device != self.device:
-            return attrs.evolve(self.state, flat=self.state.flat.to(self.device, non_blocking=True))
-        return self.state
 
     @traced("all_gather_copy_out")
     def wait_unshard(self) -> None:
         """Finish the all-gather into the persistent buffer (issuing it first if needed)."""
         now = self.drop_stale()
-        if self.slot.live:
-            return
-        self.start_unshard(now)
-        self.slot.wait(keep_output=self.config.keeps_gather_output)
-        self._post_forward_state = None
+        if not self.slot.live:
+            self.start_unshard(now)
+            self.slot.wait(keep_output=self.config.keeps_gather_output)
+            self._post_forward_state = None
+        self.slot.mark_read("compute", self.name)
 
     def unshard_onto_modules(self) -> None:
         """Finish the all-gather and put the full parameters on the modules
@@ -647,7 +658,9 @@ class ParamGroup:
             if self.tree.push(grads, self.layout):
                 self.finish_reduce()
                 self.reduce_chain.hand_over(self)
-                self.pending_reduce = self.tree.begin(self.state, self.comm, self.replicate_comm)
+                self.pending_reduce = self.tree.begin(
+                    self.state, self.comm, self.replicate_comm, runtime=self.runtime
+                )
         elif not self.config.requires_gradient_sync:
             rdtype = self.layout.grad_reduce_dtype()
             acc = self.accumulated or [None] * len(grads)
@@ -676,6 +689,10 @@ class ParamGroup:
             # reduction or the last backward's callback finishes it.
             self.finish_reduce()
         self.discard_pending()
+        if self.offload:
+            # The host writes the offloaded shards next (a CPU optimizer step): the copies
+            # to the device that read them must be done.
+            ordering.host_may_write_shards(self.runtime)
         self.lent_open, self._own_open = 0, False
         keep, self.keep_for_double_backward = self.keep_for_double_backward, False
         if (self.config.reshard_after_backward or not self.ran_post_backward) and not keep:
@@ -791,19 +808,21 @@ class ParamGroup:
         async_op: bool = True,
         all_reduce: bool | None = None,
     ) -> T.PendingReduce:
-        """Issue the reduce-scatter of ``grads`` into ``sharded`` with this group's settings."""
+        """Issue the reduce-scatter of ``grads`` into ``sharded`` with this group's settings
+        (the copy-in on compute, the collective on the reduce-scatter stream: :mod:`.ordering`)."""
         cfg = self.config
-        pending = T.begin_reduce(
+        pending = ordering.issue_reduce(
+            self.runtime,
             grads,
             sharded,
             self.comm,
+            async_op=async_op,
+            alloc=self._alloc_advised,
             replicate_comm=self.replicate_comm,
             divide_factor=cfg.divide_factor,
             force_sum=cfg.force_sum,
             all_reduce=cfg.requires_all_reduce if all_reduce is None else all_reduce,
             reduce_unused=cfg.reduce_unused,
-            async_op=async_op,
-            alloc=self._alloc_advised,
             compression=cfg.grad_compression,
         )
         if cfg.all_reduce_hook is None:
@@ -823,10 +842,12 @@ class ParamGroup:
         (``None`` where no gradient). ``keep_residual``: the shards are the group's own, so
         the compression residual the reduction returns becomes the group's."""
         if self.tree is not None:  # torch.autograd.grad on the module path, one micro-batch
-            new = self.tree.reduce_one(grads, sharded, self.comm, self.replicate_comm)
+            new = self.tree.reduce_one(
+                grads, sharded, self.comm, self.replicate_comm, runtime=self.runtime
+            )
             return [new.local_grad(i) for i in range(len(self.layout))]
         pending = self.begin_reduce(grads, sharded, async_op=False, all_reduce=True)
-        new = T.finish_reduce(pending, accumulate=False)
+        new = ordering.finish_reduce(self.runtime, pending)
         if keep_residual:
             self.state = attrs.evolve(self.state, residual=new.residual)
         return [new.local_grad(i) for i in range(len(self.layout))]
@@ -886,22 +907,25 @@ class ParamGroup:
         """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``.
 
         ``.grad`` is the one place the module path keeps gradients (the cell's record holds
-        none): the core adds the reduced shards to it, in place (donated).
+        none): the core adds the reduced shards to it, in place (donated), on the post-reduce
+        stream; compute waits for it (:func:`.ordering.finish_reduce`).
         """
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is None:
             return
-        if isinstance(pending, PendingTreeReduce):
-            new = finish_tree_reduce(pending, accumulate=False)
-        else:
-            new = T.finish_reduce(pending, accumulate=False)
+        new = ordering.finish_reduce(self.runtime, pending, self._land_grads)
         self.state = attrs.evolve(self.state, partial=new.partial, residual=new.residual)
+
+    def _land_grads(self, new: ShardedState) -> list[torch.Tensor]:
+        """Add the reduced shards of ``new`` to each parameter's ``.grad``; the ``.grad``
+        tensors written in place."""
         if new.grads is None:
-            return
+            return []
         current = [sp.grad_local() for sp in self.sharded_params]
         grads = T.accumulate_local_grads(new, current, donate=True)
         for sp, g, prev in zip(self.sharded_params, grads, current):
             sp.land_grad(g, prev)
+        return [c for c in current if c is not None]
 
     # ------------------------------------------------------------------ copies
 

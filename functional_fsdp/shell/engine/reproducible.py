@@ -29,10 +29,10 @@ from ...core.reproducible import (
     ReproduciblePolicy,
     TreeSums,
     begin_tree_reduce,
-    finish_tree_reduce,
     push_leaf,
-    tree_reduce,
 )
+from ..device.runtime import DeviceRuntime
+from . import ordering
 
 __all__ = ["TreeAccumulator", "TreeReductions", "check_no_partial_trees", "install_step_check"]
 
@@ -85,20 +85,26 @@ class TreeAccumulator:
         comm: Communicator,
         replicate_comm: Communicator | None,
         *,
+        runtime: DeviceRuntime,
         async_op: bool = True,
     ) -> PendingTreeReduce:
-        """Send the step's subtree sum (after the last micro-batch); start the next step."""
+        """Send the step's subtree sum (after the last micro-batch, on the reduce-scatter
+        stream of ``runtime``); start the next step."""
         if self.sums.count != self.per_rank:
             raise ReproducibilityError(self._wrong_count(self.sums.count))
         root, present = self.sums.root(), self.present or []
         self.reset()
-        return begin_tree_reduce(
+        return ordering.issue_tree_reduce(
+            runtime,
             root,
-            sharded,
-            comm,
-            present=present,
-            replicate_comm=replicate_comm,
-            async_op=async_op,
+            lambda: begin_tree_reduce(
+                root,
+                sharded,
+                comm,
+                present=present,
+                replicate_comm=replicate_comm,
+                async_op=async_op,
+            ),
         )
 
     def reduce_one(
@@ -107,6 +113,8 @@ class TreeAccumulator:
         sharded: ShardedState,
         comm: Communicator,
         replicate_comm: Communicator | None,
+        *,
+        runtime: DeviceRuntime,
     ) -> ShardedState:
         """Reduce one backward's gradients at once (``torch.autograd.grad`` returns them):
         possible only when the step has one micro-batch per rank (``V == N``)."""
@@ -119,7 +127,19 @@ class TreeAccumulator:
             )
         leaf = pack_grads(grads, sharded.layout)
         present = [g is not None for g in grads]
-        return tree_reduce(leaf, sharded, comm, present=present, replicate_comm=replicate_comm)
+        pending = ordering.issue_tree_reduce(
+            runtime,
+            leaf,
+            lambda: begin_tree_reduce(
+                leaf,
+                sharded,
+                comm,
+                present=present,
+                replicate_comm=replicate_comm,
+                async_op=False,
+            ),
+        )
+        return ordering.finish_reduce(runtime, pending)
 
     def reset(self) -> None:
         """Forget the micro-batches of a step that will not complete (``reset_iter_state``)."""
@@ -201,11 +221,11 @@ class TreeReductions:
         out: dict[int, torch.Tensor] = {}
         pending = []
         for acc, sharded, group, sources in self._groups.values():
-            p = acc.begin(sharded, group.comm, group.replicate_comm)
-            pending.append((p, sources))
+            p = acc.begin(sharded, group.comm, group.replicate_comm, runtime=group.runtime)
+            pending.append((p, sources, group.runtime))
         self._groups.clear()
-        for p, sources in pending:
-            new = finish_tree_reduce(p, accumulate=False)
+        for p, sources, runtime in pending:
+            new = ordering.finish_reduce(runtime, p)
             for i, src in enumerate(sources):
                 g = new.local_grad(i)
                 if g is not None:

@@ -1,0 +1,312 @@
+"""The engine's stream program: which stream runs each copy-in, collective, copy-out, reduction
+and free, and the events that order them (FSDP2's layout, on a
+:class:`~functional_fsdp.shell.device.runtime.DeviceRuntime`).
+
+All-gather (a group's :class:`~.gather.GatherSlot`)::
+
+    compute -wait_stream-> copy_in:    [offload: host-to-device copy of the shards]
+                                       copy-in (encode: pack, cast, or the codecs)
+    copy_in -wait_stream-> all_gather: the all-gather (into the unsharded buffer, or an output)
+    all_gather: work.wait(); event "gathered"
+    compute -wait_event(gathered)-> copy-out and decode (compute), then the forward/backward
+    the copy-in's buffer is freed after "gathered", the all-gather output after the copy-out
+
+Reduction (:meth:`~.group.ParamGroup.begin_reduce` / ``finish_reduce``)::
+
+    compute:        the gradients (backward), the copy-in (pack, cast, pre-divide)
+    compute -wait_stream-> reduce_scatter: the reduce-scatter (or the reproducible all-to-all)
+    reduce_scatter: work.wait(); event "reduced" (the packed input is freed after it)
+    reduce_scatter -wait_stream-> all_reduce (HSDP): the replicas' all-reduce
+    post-reduce stream (all_reduce under HSDP, else reduce_scatter): post-divide, split, cast,
+        accumulate into ``.grad``; compute waits for its event before anything reads ``.grad``
+
+Frees go through ``runtime.free_after(tensor, events)``: the unsharded buffer after an event on
+compute (its last reader), temporaries after the event of the stream that used them last (no
+``Tensor.record_stream``, as FSDP2 after pytorch#147168). On the CPU every call is a no-op (the
+buffers are freed at once); the stream-ordering simulator checks every ordering here against the
+buffers each operation reads and writes, which the engine reports only to a runtime with
+``checks`` set. Each ordering step is a function of its own, so a test can plant a bug in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from ...core import transitions as T
+from ...core.codec import GatherCodec
+from ...core.comm import Communicator
+from ...core.records import PostForwardState, ShardedState
+from ...core.reproducible import PendingTreeReduce, finish_tree_reduce
+from ..device.runtime import DeviceRuntime, Event, Stream
+
+__all__ = [
+    "consumers_done",
+    "copy_out_stream",
+    "finish_reduce",
+    "free_buffers",
+    "gather_done",
+    "host_may_write_shards",
+    "issue_gather",
+    "issue_reduce",
+    "issue_tree_reduce",
+    "land_gather",
+    "reduce_after_compute",
+    "retire_gather",
+    "wait_for_gather",
+]
+
+Reduction = T.PendingReduce | PendingTreeReduce
+
+
+# ------------------------------------------------------------------------------ all-gather
+
+
+def issue_gather(
+    rt: DeviceRuntime,
+    source: ShardedState | PostForwardState,
+    comm: Communicator,
+    *,
+    codecs: Sequence[GatherCodec | None] | None,
+    into: torch.Tensor | None,
+    stage_to: torch.device | None = None,
+) -> tuple[T.PendingUnshard, torch.Tensor | None]:
+    """The copy-in on the copy-in stream, then the all-gather (async) on the all-gather stream.
+
+    ``stage_to``: the device an offloaded group's shards are copied to first (on the copy-in
+    stream, ``non_blocking`` from pinned memory). Returns the gather in flight and that staged
+    copy (``None`` when nothing was staged), which :func:`land_gather` frees.
+    """
+    ci, ag = rt.side_stream("copy_in"), rt.side_stream("all_gather")
+    # The shards were written on compute (the optimizer); the buffer was freed there.
+    rt.wait_stream(ci, rt.compute)
+    staged = None
+    with rt.use(ci):
+        if stage_to is not None and isinstance(source, ShardedState):
+            source, staged = _stage(rt, ci, source, stage_to)
+        enc = T.encode_unshard(source, comm, codecs=codecs)
+        if rt.checks:
+            own = source.flat if isinstance(source, ShardedState) else source.rows
+            made = [enc.tensor] if enc.fresh else []
+            rt.access(ci, "all-gather copy-in", reads=[own], writes=made)
+    rt.wait_stream(ag, ci)
+    with rt.use(ag):
+        pending = T.begin_unshard(source, comm, codecs=codecs, into=into, encoded=enc)
+        if rt.checks:
+            out = pending.output if pending.output is not None else pending.into
+            assert out is not None
+            rt.access(ag, "all-gather", reads=[enc.tensor], writes=[out])
+    return pending, staged
+
+
+def _stage(
+    rt: DeviceRuntime, stream: Stream, source: ShardedState, device: torch.device
+) -> tuple[ShardedState, torch.Tensor | None]:
+    """An offloaded group's shards copied to ``device`` (``non_blocking``: from pinned memory
+    the copy overlaps). Nothing to copy when they are there already, except under a checking
+    runtime, which stages a copy anyway so the copy's ordering is checked on the CPU too."""
+    flat = source.flat
+    if flat.device == device and not rt.checks:
+        return source, None
+    moved = flat.to(device, non_blocking=True, copy=True)
+    if rt.checks:
+        rt.access(stream, "offload copy (host to device)", reads=[flat], writes=[moved])
+    return attrs.evolve(source, flat=moved), moved
+
+
+def gather_done(rt: DeviceRuntime, pending: T.PendingUnshard) -> Event:
+    """Wait for the all-gather on its stream (a stream dependency on CUDA; the host waits on
+    gloo); the event after it."""
+    ag = rt.side_stream("all_gather")
+    with rt.use(ag):
+        pending.work.wait()
+    return rt.record(ag)
+
+
+def wait_for_gather(rt: DeviceRuntime, gathered: Event) -> None:
+    """Compute waits for the all-gather before it reads the output (copy-out, forward)."""
+    rt.wait_event(rt.compute, gathered)
+
+
+def copy_out_stream(rt: DeviceRuntime) -> Stream:
+    """The stream the copy-out and decode run on: compute, whose forward reads the result."""
+    return rt.compute
+
+
+def land_gather(
+    rt: DeviceRuntime,
+    pending: T.PendingUnshard,
+    staged: torch.Tensor | None,
+    *,
+    into: torch.Tensor,
+    out: tuple[torch.Tensor, ...] | None,
+    keep_output: bool,
+) -> T.Landed:
+    """Wait for the all-gather, copy out and decode on compute
+    (:func:`~functional_fsdp.core.transitions.land_unshard`), then free the copy-in's buffers
+    after the all-gather and the output after the copy-out (unless ``keep_output``)."""
+    gathered = gather_done(rt, pending)
+    wait_for_gather(rt, gathered)
+    s = copy_out_stream(rt)
+    with rt.use(s):
+        landed = T.land_unshard(pending, into=into, out=out)
+        if rt.checks:
+            _annotate_landing(rt, s, pending, into, landed)
+    copied = rt.record(s)
+    _free_temporaries(rt, pending, staged, gathered)
+    if pending.output is not None and not keep_output:
+        rt.free_after(pending.output, [copied])
+    return landed
+
+
+def _annotate_landing(
+    rt: DeviceRuntime, s: Stream, pending: T.PendingUnshard, into: torch.Tensor, landed: T.Landed
+) -> None:
+    if pending.output is None and pending.metadata is None:
+        # The pieces landed in place: nothing is copied, the views are made.
+        rt.access(s, "all-gather landing (views)", reads=[into])
+        return
+    src = pending.output if pending.output is not None else into
+    rt.access(s, "all-gather copy-out", reads=[src], writes=[into, *landed.inner])
+
+
+def retire_gather(
+    rt: DeviceRuntime, pending: T.PendingUnshard, staged: torch.Tensor | None
+) -> Event:
+    """Wait for a gather nobody lands (dropped, or freed while in flight; every rank issued
+    it); free its buffers after it; the event after it."""
+    gathered = gather_done(rt, pending)
+    _free_temporaries(rt, pending, staged, gathered)
+    if pending.output is not None:
+        rt.free_after(pending.output, [gathered])
+    return gathered
+
+
+def _free_temporaries(
+    rt: DeviceRuntime, pending: T.PendingUnshard, staged: torch.Tensor | None, gathered: Event
+) -> None:
+    for t in (pending.input, staged):
+        if t is not None:
+            rt.free_after(t, [gathered])
+
+
+def consumers_done(rt: DeviceRuntime) -> list[Event]:
+    """The events after the last readers of an unsharded buffer: compute's (the forward or
+    backward that read it; it waited for the all-gather that wrote it)."""
+    return [rt.record(rt.compute)]
+
+
+def host_may_write_shards(rt: DeviceRuntime) -> None:
+    """The host is about to write an offloaded group's shards in host memory (a CPU optimizer
+    step): the host-to-device copies that read them (copy-in stream) must be done."""
+    rt.host_wait(rt.record(rt.side_stream("copy_in")))
+
+
+def free_buffers(rt: DeviceRuntime, tensors: Sequence[torch.Tensor], events: list[Event]) -> None:
+    """Free the storage of ``tensors`` (those still allocated) after ``events``."""
+    for t in tensors:
+        if t.untyped_storage().size() != 0:
+            rt.free_after(t, events)
+
+
+# ------------------------------------------------------------------------------ reduction
+
+
+def reduce_after_compute(rt: DeviceRuntime) -> None:
+    """The reduce-scatter stream waits for everything compute issued (the gradients and the
+    copy-in that packed them)."""
+    rt.wait_stream(rt.side_stream("reduce_scatter"), rt.compute)
+
+
+def issue_reduce(
+    rt: DeviceRuntime,
+    grads: Sequence[torch.Tensor | None],
+    sharded: ShardedState,
+    comm: Communicator,
+    *,
+    async_op: bool,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor],
+    **settings: Any,
+) -> T.PendingReduce:
+    """The copy-in on compute (:func:`~functional_fsdp.core.transitions.reduce_input`), then
+    the reduce-scatter on its stream (``settings``: the core's reduction keywords)."""
+    c, rs = rt.compute, rt.side_stream("reduce_scatter")
+    present = [g for g in grads if g is not None] if rt.checks else []
+    if rt.checks:  # backward made the gradients on compute
+        rt.access(c, "backward (the gradients)", writes=present)
+    with rt.use(c):
+        rin = T.reduce_input(grads, sharded, comm, **settings)
+        if rt.checks:
+            packed = [rin.packed] if rin.packed is not None else []
+            rt.access(c, "reduce-scatter copy-in", reads=present, writes=packed)
+    reduce_after_compute(rt)
+    with rt.use(rs):
+        pending = T.issue_reduce(rin, comm, async_op=async_op, alloc=alloc)
+        if rt.checks:
+            sent = [rin.packed] if rin.packed is not None else present
+            rt.access(rs, "reduce-scatter", reads=sent, writes=[pending.output])
+    return pending
+
+
+def issue_tree_reduce(
+    rt: DeviceRuntime, subtree: torch.Tensor, begin: Callable[[], PendingTreeReduce]
+) -> PendingTreeReduce:
+    """The reproducible reduction's all-to-all of ``subtree`` (summed on compute) on the
+    reduce-scatter stream; ``begin`` issues it."""
+    if rt.checks:
+        rt.access(rt.compute, "the canonical tree's sum", writes=[subtree])
+    reduce_after_compute(rt)
+    rs = rt.side_stream("reduce_scatter")
+    with rt.use(rs):
+        pending = begin()
+        if rt.checks:
+            rt.access(rs, "reproducible all-to-all", reads=[subtree], writes=[pending.pieces])
+    return pending
+
+
+def finish_reduce(
+    rt: DeviceRuntime,
+    pending: Reduction,
+    land: Callable[[ShardedState], Sequence[torch.Tensor]] | None = None,
+) -> ShardedState:
+    """Wait for the reduction on its stream, free its packed input after it, and finish it
+    (HSDP all-reduce, post-divide, split, cast: the core) on the post-reduce stream, where
+    ``land(new)`` puts the shards where they go (returning the tensors it wrote in place);
+    compute waits for all of it. Returns the core's new record."""
+    rs = rt.side_stream("reduce_scatter")
+    with rt.use(rs):
+        pending.work.wait()
+    reduced = rt.record(rs)
+    if pending.input is not None:
+        rt.free_after(pending.input, [reduced])
+    post = rs
+    if pending.replicate_comm is not None:
+        post = rt.side_stream("all_reduce")
+        rt.wait_stream(post, rs)
+    with rt.use(post):
+        if isinstance(pending, PendingTreeReduce):
+            new = finish_tree_reduce(pending, accumulate=False)
+        else:
+            new = T.finish_reduce(pending, accumulate=False)
+        wrote = land(new) if land is not None else ()
+        if rt.checks:
+            _annotate_post_reduce(rt, post, pending, new, wrote)
+    rt.wait_event(rt.compute, rt.record(post))
+    return new
+
+
+def _annotate_post_reduce(
+    rt: DeviceRuntime,
+    post: Stream,
+    pending: Reduction,
+    new: ShardedState,
+    wrote: Sequence[torch.Tensor],
+) -> None:
+    out = pending.pieces if isinstance(pending, PendingTreeReduce) else pending.output
+    partial = pending.sharded.partial
+    reads = [out] if partial is None else [out, partial]
+    made = [g for g in new.grads or () if g is not None]
+    rt.access(post, "post-reduce (split, cast, .grad)", reads=reads, writes=[*made, *wrote])
