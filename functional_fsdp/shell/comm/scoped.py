@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ...core.comm import Work
-from .process_group import ProcessGroupComm
+from .process_group import LIVE, ProcessGroupComm
 
 __all__ = ["ScopedComm", "introduce", "resync", "scoped"]
 
@@ -180,6 +180,12 @@ def resync(comms: list[ProcessGroupComm]) -> None:
         c._barrier("resynced")
     for c in comms:
         c._aborts_seen = c._aborts()
+    # The other communicators of these process groups (no group owns them: the functional
+    # step's norm, a user's) have seen the same aborts: they must not raise on them later.
+    prefixes = {c._pg_prefix for c in comms}
+    for other in list(LIVE):
+        if other._pg_prefix in prefixes and all(other is not c for c in comms):
+            other._aborts_seen = other._aborts()
     for c in comms:
         c.drain()
     for c in comms:
