@@ -199,7 +199,15 @@ class ProcessGroupComm:
         """Wait for ``works`` (collective ``seq`` of this epoch, or ``what``); raise a named
         error (never hang) when the peers diverged or abandoned them. Costs nothing when they
         are already complete; the store is read every 0.1 s of waiting (the peers' abort flag)
-        and, past ``grace_s``, the ranks' positions are compared every 0.5 s."""
+        and, past ``grace_s``, the ranks' positions are compared every 0.5 s.
+
+        On NCCL a wait is a stream dependency, not a host wait: it runs here, on the caller's
+        thread, so the caller's current stream (the engine's side stream) waits for the work
+        (NCCL's own watchdog bounds it)."""
+        if self.backend == "nccl":
+            for w in works:
+                w.wait()
+            return
         if all(w.is_completed() for w in works):
             for w in works:
                 w.wait()
