@@ -141,10 +141,15 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
     )
+    parent = os.getppid()
     try:
         while True:
             try:
-                item = inbox.get()
+                item = inbox.get(timeout=1.0)
+            except queue.Empty:
+                if os.getppid() != parent:  # the session died without closing the world
+                    os._exit(0)
+                continue
             except Exception:  # a case this process cannot unpickle: that case fails
                 outbox.put((rank, False, traceback.format_exc()))
                 continue
