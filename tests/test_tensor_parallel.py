@@ -79,7 +79,10 @@ def test_fp32_parity(world4):
 def test_bf16_parity(world4):
     res = world4.run(case_parity, "bf16", False)
     print({k: res[0][k] for k in ("vs_torch", "vs_ref")})
-    _check(res, 2e-2, 3e-2)
+    # Each rank's loss is a bf16 value near 4, where bf16's spacing is 1/32: against the fp32
+    # reference it is known to about one spacing (plus bf16 forward rounding), whatever the CPU's
+    # bf16 kernels are. The parameters are the tight check (vs_ref is about 1e-4).
+    _check(res, 4e-2, 3e-2)
 
 
 def case_compose(recipe: str, sp: bool, accumulate: bool, hsdp: bool) -> dict:
