@@ -3,13 +3,15 @@
 An element-wise rule (Adam, SGD) gives the same numbers on a shard as on the whole tensor; a
 rule over a whole matrix (Muon's orthogonalization, a Shampoo-like preconditioner, a spectral
 normalization) does not. These transformations gather each 2-D leaf to one owner rank, run the
-rule there on the whole matrix and give every rank its rows of the result (the engine of
+rule there on the whole matrix and give every rank its piece of the result (the engine of
 :mod:`functional_fsdp.optim`, owners round-robin by size), so the result does not depend on how
-the matrix is sharded.
+the matrix is sharded: FSDP, HSDP, tensor parallel, or 2-D FSDP x TP (the owner gathers the
+global matrix across dp and tp).
 
 Where each matrix lives is decided by ``init``: from the ``DTensor`` parameters of
-:func:`~.step.init` (``Shard(0)`` on the mesh: global shape, mesh, owner), kept in the state as
-static metadata, because the training step hands ``update`` the local shards as plain tensors.
+:func:`~.step.init` (their placements: global shape, mesh, the split mesh dims, FSDP's and TP's
+placements, owner), kept in the state as static metadata, because the training step hands
+``update`` the local shards as plain tensors.
 A state built from plain tensors treats every leaf as a whole matrix on this rank (and refuses
 a shard later, instead of computing on it).
 """
@@ -124,7 +126,8 @@ def whole_matrix(
 
     ``fn(full) -> full update`` sees the whole gradient (or whatever the chain passes: momentum,
     a clipped gradient) of one matrix on one owner rank and returns the whole update; each rank
-    gets its rows. Leaves that are not matrices pass through unchanged. Stateless rules only
+    gets its piece (rows under FSDP, a block of rows of its TP columns under rowwise 2-D FSDP x
+    TP). Leaves that are not matrices pass through unchanged. Stateless rules only
     (the state holds where the matrices live); for momentum, put a transformation that keeps it
     before this one in a :func:`~.transforms.chain`.
 
