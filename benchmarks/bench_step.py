@@ -11,10 +11,12 @@ tensors. Models (``--model``):
   compute each, so per-group overhead (hooks, autograd Functions, messages) dominates.
 
     python benchmarks/bench_step.py [--model deep] [--steps 12] [--rounds 2]
-        [--variants floor,fsdp2,ours,ddp,repro] [--compile]
+        [--variants floor,fsdp2,ours,ddp,repro] [--micro-batches 2] [--compile]
 
-``repro``: ours with ``ReproduciblePolicy(virtual_world_size=world size)`` on every group (the
-cost of bit-identical training at any world size: docs/reproducibility.md).
+``repro``: ours with ``ReproduciblePolicy(virtual_world_size=world size x micro-batches)`` on
+every group (the cost of bit-identical training at any world size: docs/reproducibility.md).
+``--micro-batches K`` splits each rank's batch into ``K`` accumulated micro-batches, gradient sync
+on the last only (DDP: ``no_sync``), as FSDP2's accumulation recipe does.
 """
 
 from __future__ import annotations
@@ -73,7 +75,9 @@ def _label(variant: str) -> str:
     return f"{base}@{os.path.basename(tree.rstrip('/'))}" if tree else base
 
 
-def _build(variant: str, cfg: GPTConfig, raf: bool | None) -> torch.nn.Module:
+def _build(
+    variant: str, cfg: GPTConfig, raf: bool | None, micro_batches: int = 1
+) -> torch.nn.Module:
     variant = _use_tree(variant)
     torch.manual_seed(0)
     model = GPT(cfg)
@@ -84,11 +88,11 @@ def _build(variant: str, cfg: GPTConfig, raf: bool | None) -> torch.nn.Module:
         else:
             from functional_fsdp import fully_shard
 
-            if variant == "repro":  # one micro-batch per rank: V = the world size
+            if variant == "repro":  # V = world size x micro-batches per rank
                 from functional_fsdp import ReproduciblePolicy
 
                 ws = dist.get_world_size() if dist.is_initialized() else 1
-                kw["reproducible"] = ReproduciblePolicy(virtual_world_size=ws)
+                kw["reproducible"] = ReproduciblePolicy(virtual_world_size=ws * micro_batches)
         for b in model.blocks:
             fully_shard(b, reshard_after_forward=raf, **kw)
         fully_shard(model, reshard_after_forward=raf, **kw)
@@ -128,7 +132,7 @@ def _worker(
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=ws)
     cfg = MODELS[args.model][0]
-    model = _build(variant, cfg, None)
+    model = _build(variant, cfg, None, args.micro_batches)
     if args.compile:
         # Each block's forward compiled with inductor (FSDP's hooks stay eager); warmup steps
         # absorb the compilation.
@@ -143,8 +147,14 @@ def _worker(
         if ws > 1:
             dist.barrier()
         t0 = time.perf_counter()
-        loss = loss_fn(x, y)
-        loss.backward()
+        k = args.micro_batches
+        for m in range(k):  # the usual accumulation loop; one micro-batch: a plain step
+            last = m == k - 1
+            if k > 1:
+                _set_sync(model, variant, last)
+            with contextlib.nullcontext() if last or variant != "ddp" else model.no_sync():  # type: ignore[operator]
+                loss = loss_fn(x[m::k], y[m::k]) / k
+                loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - t0)
@@ -164,6 +174,12 @@ def _worker(
     out.put(res)  # type: ignore[attr-defined]
     if ws > 1:
         dist.destroy_process_group()
+
+
+def _set_sync(model: torch.nn.Module, variant: str, on: bool) -> None:
+    """Gradient sync on the last micro-batch only (FSDP2's ``set_requires_gradient_sync``)."""
+    if variant.partition("@")[0] in ("ours", "fsdp2", "repro"):
+        model.set_requires_gradient_sync(on)  # type: ignore[operator]
 
 
 def _free_port() -> int:
@@ -220,6 +236,12 @@ def main() -> None:
     ap.add_argument(
         "--variants", default="floor,fsdp2,ours,ddp", help="ours@DIR: functional_fsdp from DIR"
     )
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="split each rank's batch into this many accumulated micro-batches (sync on the last)",
+    )
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument(
         "--compile", action="store_true", help="torch.compile each block (inductor) first"
@@ -239,7 +261,10 @@ def main() -> None:
             if best is None or r["step_ms"] < best["step_ms"]:
                 rows[v] = r
     cfg = MODELS[args.model][0]
-    print(f"model {args.model}: {cfg}, batch {args.batch} per rank, {args.rounds} rounds")
+    print(
+        f"model {args.model}: {cfg}, batch {args.batch} per rank in {args.micro_batches} "
+        f"micro-batch(es), {args.rounds} rounds"
+    )
     print(
         f"{'variant':8} {'step ms':>9} {'x floor':>8} {'x fsdp2':>8} {'peak RSS MiB':>13} {'local params':>13}"
     )
