@@ -15,7 +15,9 @@ tensors. Models (``--model``):
 
 ``repro``: ours with ``ReproduciblePolicy(virtual_world_size=world size x micro-batches)`` on
 every group (the cost of bit-identical training at any world size: docs/reproducibility.md).
-``--micro-batches K`` splits each rank's batch into ``K`` accumulated micro-batches, gradient sync
+``ours:B`` (or ``repro:B``) sets the bucket size of the coalesced collectives
+(``fully_shard(model, bucket_bytes=B)``: ``4M``, ``512K``, bytes; ``ours:0`` is one collective
+per group, as FSDP2). ``--micro-batches K`` splits each rank's batch into ``K`` accumulated micro-batches, gradient sync
 on the last only (DDP: ``no_sync``), as FSDP2's accumulation recipe does.
 """
 
@@ -75,10 +77,21 @@ def _label(variant: str) -> str:
     return f"{base}@{os.path.basename(tree.rstrip('/'))}" if tree else base
 
 
+def _bucket(variant: str) -> int | None:
+    """``ours:B`` / ``repro:B``: the bucket size (``fully_shard(bucket_bytes=B)``; ``4M``,
+    ``512K`` or bytes; ``0`` turns coalescing off). ``None``: the default."""
+    _, _, size = variant.partition("@")[0].partition(":")
+    if not size:
+        return None
+    scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1], 1)
+    return int(size.rstrip("KM")) * scale
+
+
 def _build(
     variant: str, cfg: GPTConfig, raf: bool | None, micro_batches: int = 1
 ) -> torch.nn.Module:
-    variant = _use_tree(variant)
+    bucket = _bucket(variant)
+    variant = _use_tree(variant).partition(":")[0]
     torch.manual_seed(0)
     model = GPT(cfg)
     if variant in ("ours", "fsdp2", "repro"):
@@ -95,6 +108,8 @@ def _build(
                 kw["reproducible"] = ReproduciblePolicy(virtual_world_size=ws * micro_batches)
         for b in model.blocks:
             fully_shard(b, reshard_after_forward=raf, **kw)
+        if bucket is not None:
+            kw["bucket_bytes"] = bucket
         fully_shard(model, reshard_after_forward=raf, **kw)
     elif variant == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model)
@@ -178,7 +193,7 @@ def _worker(
 
 def _set_sync(model: torch.nn.Module, variant: str, on: bool) -> None:
     """Gradient sync on the last micro-batch only (FSDP2's ``set_requires_gradient_sync``)."""
-    if variant.partition("@")[0] in ("ours", "fsdp2", "repro"):
+    if variant.partition("@")[0].partition(":")[0] in ("ours", "fsdp2", "repro"):
         model.set_requires_gradient_sync(on)  # type: ignore[operator]
 
 

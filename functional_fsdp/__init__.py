@@ -39,6 +39,8 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "writeback": (".core.transitions", "writeback"),
     "reduce_grad": (".core.transitions", "reduce_grad"),
     "ReproduciblePolicy": (".core.reproducible", "ReproduciblePolicy"),
+    "Bucket": (".core.coalesce", "Bucket"),
+    "CommunicationSchedule": (".core.coalesce", "CommunicationSchedule"),
     "tree_flatten": (".core._tree", "tree_flatten"),
     "tree_leaves": (".core._tree", "tree_leaves"),
     "tree_map": (".core._tree", "tree_map"),

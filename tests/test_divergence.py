@@ -157,8 +157,14 @@ _DIVERGE: dict[str, Callable[..., None]] = {
 # reset_iter_state() tells the other, which raises PeerAbortedError.)
 _MISMATCH = {
     "different_submodules": ("all-gather of group blocks.0", "all-gather of group blocks.1"),
-    "sync_off_on_one_rank": ("reduce-scatter of group blocks.1", "group GPT (the root)"),
-    "more_micro_batches_on_one_rank": ("reduce-scatter of group blocks.1",),
+    # The model's groups coalesce (one bucket of all three): the message names the bucket.
+    "sync_off_on_one_rank": (
+        "reduce-scatter of group bucket (GPT (the root), blocks.1, blocks.0)",
+        "all-gather of group bucket (GPT (the root), blocks.0, blocks.1)",
+    ),
+    "more_micro_batches_on_one_rank": (
+        "reduce-scatter of group bucket (GPT (the root), blocks.1, blocks.0)",
+    ),
     "summon_on_one_rank": ("summon_full_params all-gather of group GPT (the root)",),
 }
 _NAMED = {"PeerAbortedError", "ValueError"}

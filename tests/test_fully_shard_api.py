@@ -34,6 +34,8 @@ def case_peak_unsharded(recipe: str) -> dict:
     sees the true peak; freeing only lowers it.
     """
     model = _build("ours", recipe)
+    # FSDP2's contract, one collective per group (coalesced buckets: tests/test_coalesce.py).
+    model.set_bucket_bytes(0)
     groups = [b._ffsdp_state.group for b in model.blocks]
     peak = {"groups": 0, "bytes": 0}
 
@@ -74,6 +76,9 @@ def case_explicit_prefetch(explicit: bool) -> dict:
     one-ahead prefetch runs (in the first step, before the forward order is recorded, none).
     """
     model = _build("ours", "default")
+    # FSDP2's implicit one-ahead prefetch: one collective per group (explicit prefetch turns
+    # coalesced all-gathers off anyway).
+    model.set_bucket_bytes(0)
     blocks = list(model.blocks)
     if explicit:
         for b, fwd, bwd in zip(blocks, ([1, 2], [], []), ([], [], [1, 0])):

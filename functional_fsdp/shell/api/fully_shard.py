@@ -57,6 +57,7 @@ def fully_shard(
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: Any = None,
     reproducible: ReproduciblePolicy | None = None,
+    bucket_bytes: int | None = None,
 ) -> Any:
     """Shard ``module``'s parameters across the data-parallel ranks of ``mesh`` (FSDP2's API).
 
@@ -82,6 +83,9 @@ def fully_shard(
         reproducible: beyond FSDP2: a :class:`~functional_fsdp.ReproduciblePolicy`: gradients
             summed in one canonical tree, bit-identical on every world size that divides its
             virtual world size (the same policy to every call; ``docs/reproducibility.md``).
+        bucket_bytes: beyond FSDP2, on the root: adjacent small groups' collectives travel
+            together up to this many unsharded bytes (``0``: one per group; ``None``: the
+            measured default); bit-identical either way (``docs/design.md``, coalescing).
 
     With tensor parallelism, parameters that are already ``DTensor`` s on a TP mesh (from
     ``parallelize_module(model, world["tp"], plan)``) are sharded over ``mesh=world["dp"]``
@@ -97,15 +101,12 @@ def fully_shard(
         ...     fully_shard(block)
         >>> fully_shard(model)  # doctest: +SKIP
     """
+    _validate_bucket_bytes(bucket_bytes)
     modules = _modules(module)
     explain_forward_ad_on_dtensor()
     mp = MixedPrecisionPolicy.coerce(mp_policy)
     offload = OffloadPolicy.coerce(offload_policy)
-    spmd_mesh, dp_names = None, cast(tuple[str, ...], ())
-    if dp_mesh_dims is not None:  # FSDP2's SPMD form: the full mesh plus the names of dp dims
-        spmd_mesh = mesh
-        mesh, dp_names = resolve_dp_mesh_dims(mesh, dp_mesh_dims)
-    mesh = _resolve_mesh(mesh, modules)
+    mesh, spmd_mesh, dp_names = _meshes(mesh, dp_mesh_dims, modules)
     raf = _validate_reshard(reshard_after_forward, mesh.size(-1))
     _validate_reproducible(reproducible, mesh)
     ignored = set(ignored_params or ())
@@ -123,8 +124,30 @@ def fully_shard(
         group = _build_group(
             params, holders, fqns, mesh, config, shard_placement_fn, mp, offload, name, tp, users
         )
-    _attach(modules, group, mp, name, reshard_after_forward, borrowed)
+    _attach(modules, group, mp, name, reshard_after_forward, borrowed).bucket_bytes = bucket_bytes
     return module
+
+
+def _meshes(
+    mesh: DeviceMesh | None, dp_mesh_dims: Any, modules: list[nn.Module]
+) -> tuple[DeviceMesh, DeviceMesh | None, tuple[str, ...]]:
+    """The data-parallel mesh, and for FSDP2's SPMD form (``dp_mesh_dims``) the full mesh
+    and the names of its dp dims."""
+    spmd_mesh, dp_names = None, cast(tuple[str, ...], ())
+    if dp_mesh_dims is not None:  # FSDP2's SPMD form: the full mesh plus the names of dp dims
+        spmd_mesh = mesh
+        mesh, dp_names = resolve_dp_mesh_dims(mesh, dp_mesh_dims)
+    return _resolve_mesh(mesh, modules), spmd_mesh, dp_names
+
+
+def _validate_bucket_bytes(bucket_bytes: Any) -> None:
+    if bucket_bytes is not None and (
+        isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 0
+    ):
+        raise PolicyError(
+            f"bucket_bytes must be an int >= 0 (0 turns coalescing off) or None, got "
+            f"{bucket_bytes!r}"
+        )
 
 
 def _validate_reproducible(policy: Any, mesh: DeviceMesh) -> None:
@@ -171,9 +194,10 @@ def _attach(
     name: str,
     reshard_after_forward: bool | int | None,
     borrowed: Borrowed,
-) -> None:
+) -> FSDPState:
     """Give each module its FSDP state, forward hooks, state-dict hooks and FSDP class, and
-    the parameters of other groups it uses (``borrowed``, tied across groups)."""
+    the parameters of other groups it uses (``borrowed``, tied across groups); the first
+    module's state."""
     state = FSDPState(modules[0], group, mp, name)
     state.user_reshard_after_forward = reshard_after_forward
     for i, m in enumerate(modules):
@@ -191,6 +215,7 @@ def _attach(
         m._register_load_state_dict_pre_hook(_to_sharded_hook, with_module=True)
         swap_class(m)
     _borrow(borrowed)
+    return state
 
 
 Holders = dict[int, list[tuple[nn.Module, str]]]

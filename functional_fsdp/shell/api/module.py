@@ -17,6 +17,7 @@ from typing import Any
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
+from ...core.coalesce import CommunicationSchedule
 from ...core.compression import GradCompression
 from ...core.errors import PolicyError, StateError, UnsupportedError
 from ..comm.custom import CustomCollectiveComm, check_custom_comm
@@ -158,11 +159,56 @@ class FSDPModule(TorchFSDPModule):
         """Explicit forward prefetch: all-gather these modules when this one's forward starts."""
         _check_fsdp_modules(modules)
         self._ffsdp_state.explicit_forward_prefetch = [m._ffsdp_state for m in modules]
+        if (root := self._ffsdp_state.root) is not None:
+            root.forget_schedule()  # explicit prefetch wins over coalesced gathers
 
     def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
         """Explicit backward prefetch: all-gather these modules when this one's backward starts."""
         _check_fsdp_modules(modules)
         self._ffsdp_state.explicit_backward_prefetch = [m._ffsdp_state for m in modules]
+        if (root := self._ffsdp_state.root) is not None:
+            root.forget_schedule()  # explicit prefetch wins over coalesced gathers
+
+    def set_bucket_bytes(self, bucket_bytes: int) -> None:
+        """Coalesce the collectives of adjacent small groups up to ``bucket_bytes`` of
+        unsharded data per collective (``0``: one collective per group, as FSDP2). Governs the
+        root's schedule (call it on the root, or on any module before the first forward to
+        set the value its root will use); the schedule is derived again from the recorded
+        order. Bit-identical either way: see :meth:`communication_schedule`.
+
+        Raises:
+            TypeError: not an int (``bool`` included).
+            PolicyError: negative.
+        """
+        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int):
+            raise TypeError(f"bucket_bytes must be an int, got {type(bucket_bytes).__name__}")
+        if bucket_bytes < 0:
+            raise PolicyError(
+                f"bucket_bytes must be >= 0 (0 turns coalescing off), got {bucket_bytes}"
+            )
+        state = self._ffsdp_state
+        root = state.root if state.root is not None else state
+        root.set_bucket_bytes(bucket_bytes)
+        if root is not state:
+            state.bucket_bytes = bucket_bytes
+
+    def communication_schedule(self) -> CommunicationSchedule:
+        """Which groups' collectives travel together (a frozen record): the forward's
+        all-gathers and the backward's all-gathers and reduce-scatters, as buckets of group
+        names in the order they run, and the bucket size. Derived by the root from the order
+        its first forward recorded; the same on every rank.
+
+        Raises:
+            StateError: before the root's first forward (nothing is recorded yet).
+        """
+        state = self._ffsdp_state
+        root = state.root
+        if root is None or not root.order_recorded:
+            raise StateError(
+                "communication_schedule(): the schedule is derived from the order of the root's "
+                "first forward; run one forward (and backward) through the root first"
+            )
+        return root.schedule_record()
 
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide gradients by ``factor`` instead of the data-parallel size.

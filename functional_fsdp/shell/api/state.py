@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -13,13 +13,15 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
+from ...core.coalesce import CommunicationSchedule
 from ...core.errors import PolicyError, StateError, TiedParameterError
 from ...core.records import MixedPrecisionPolicy
 from ..comm.scoped import introduce, resync
+from ..engine.coalesced import start_together
 from ..engine.group import ParamGroup, ReduceChain
 from ..engine.group_common import traced
 from ..engine.tied import LentCall, TiedUse
-from . import functional_call
+from . import buckets, functional_call
 
 __all__ = ["FSDPState", "hooks_for", "register_fsdp_forward_method"]
 
@@ -75,6 +77,10 @@ class FSDPState:
         # functional forward in progress, by group.
         self.tied: list[TiedUse] = []
         self.lent_calls: dict[int, LentCall] = {}
+        # The bucket size of the communication schedule (the root's governs; None: the
+        # default), and the root's schedule, derived after its first forward (buckets.py).
+        self.bucket_bytes: int | None = None
+        self._schedule: buckets.Schedule | None = None
 
     @property
     def is_root(self) -> bool:
@@ -202,15 +208,65 @@ class FSDPState:
         # are gathered per call by the same engine; otherwise the group's own shards below.
         if functional_call.pre_forward(self):
             return args, kwargs
-        prefetch = _groups(self.forward_prefetch_targets())
+        plan = root.schedule()
+        if plan is not None and plan.gathers and root.in_forward and plan.rest(self, False):
+            # The derived schedule: this group's bucket starts (if its prefetch did not), and
+            # the bucket's last group prefetches the next bucket, whole.
+            start_together(_not_run(plan.rest(self, backward=False)))
+            nxt = self.forward_prefetch_targets() if plan.is_last(self, backward=False) else []
+            prefetch = _not_run(plan.rest(nxt[0], backward=False)) if nxt else []
+            together = True
+        else:
+            prefetch, together = _groups(self.forward_prefetch_targets()), False
         if g is not None:
-            g.pre_forward(prefetch)
+            g.pre_forward(prefetch, together=together)
+        elif together:
+            start_together(prefetch)
         else:
             for pg in prefetch:
                 pg.start_unshard()
         for use in self.tied:  # weights of other groups: their owner's full tensors
             use.pre_forward()
         return args, kwargs
+
+    def schedule(self) -> buckets.Schedule | None:
+        """Root: the communication schedule, derived from the recorded order on first use
+        (``None`` before the first forward recorded it, or with coalescing off)."""
+        if not self.order_recorded:
+            return None
+        if self._schedule is None:
+            size = buckets.DEFAULT_BUCKET_BYTES if self.bucket_bytes is None else self.bucket_bytes
+            groups = [s.group for s in self.all_states if s.group is not None]
+            explicit = any(
+                s.explicit_forward_prefetch is not None or s.explicit_backward_prefetch is not None
+                for s in self.all_states
+            )
+            self._schedule = buckets.derive(
+                self.forward_order,
+                self.post_forward_order,
+                groups,
+                size,
+                gathers=not explicit,
+            )
+        return self._schedule if self._schedule.record.bucket_bytes > 0 else None
+
+    def schedule_record(self) -> CommunicationSchedule:
+        """Root: the schedule as a record (after the first forward; bucket size 0 too)."""
+        self.schedule()
+        assert self._schedule is not None, "schedule_record before the first forward"
+        return self._schedule.record
+
+    def set_bucket_bytes(self, n: int) -> None:
+        """Root: the bucket size from now on (the schedule is derived again)."""
+        self.bucket_bytes = n
+        self.forget_schedule()
+
+    def forget_schedule(self) -> None:
+        """Root: derive the schedule again at its next use (a setting it reads changed)."""
+        self._schedule = None
+        for s in self.all_states:
+            if s.group is not None:
+                s.group.join_reduce_bucket(None)
 
     def forward_prefetch_targets(self) -> list[FSDPState]:
         """The states whose groups this one's forward prefetches (explicit, else the next
@@ -285,6 +341,17 @@ class FSDPState:
         if not root.callback_queued:
             root.callback_queued = True
             Variable._execution_engine.queue_callback(root._final_callback)
+        plan = root.schedule()
+        if plan is not None and plan.gathers and not self.tied and plan.rest(self, True):
+            # The derived schedule: the groups of this bucket that gather again in backward
+            # start together; the bucket's last group prefetches the next bucket's.
+            start_together(_regather(plan.rest(self, backward=True)))
+            if self.group is not None:
+                self.group.pre_backward()
+            if plan.is_last(self, backward=True):
+                for t in self.backward_prefetch_targets()[:1]:
+                    start_together(_regather(plan.rest(t, backward=True)))
+            return
         if self.group is not None:
             self.group.pre_backward()
         for use in self.tied:
@@ -317,6 +384,9 @@ class FSDPState:
 
     def _finish_backward(self) -> None:
         self.callback_queued = False
+        if self._schedule is not None:
+            for bucket in self._schedule.reduce_buckets:  # members that got no gradient
+                bucket.flush()
         for s in self.all_states:
             if s.group is not None:
                 s.group.finish_backward(self.is_last_backward)
@@ -349,7 +419,22 @@ class FSDPState:
         resync(bases)
 
 
-def _groups(states: list[FSDPState]) -> list[ParamGroup]:
+def _not_run(states: Sequence[buckets.Scheduled]) -> list[ParamGroup]:
+    """The groups of ``states`` whose forward has not run yet in this iteration."""
+    return [g for s in states if (g := s.group) is not None and not g.ran_forward]
+
+
+def _regather(states: Sequence[buckets.Scheduled]) -> list[ParamGroup]:
+    """The groups of ``states`` whose backward gathers their parameters again (not yet
+    reduced this backward, unsharding in backward)."""
+    return [
+        g
+        for s in states
+        if (g := s.group) is not None and not g.ran_post_backward and g.config.unshard_in_backward
+    ]
+
+
+def _groups(states: Sequence[buckets.Scheduled]) -> list[ParamGroup]:
     """The groups the states' forwards gather: their own, and the owners of the weights of
     other groups their modules use (tied across groups)."""
     out = [s.group for s in states if s.group is not None]

@@ -164,6 +164,11 @@ class ProcessGroupComm:
     def _aborts(self) -> int:
         return int(self._get_store().add(f"{self._pg_prefix}aborts", 0))
 
+    @property
+    def collectives_issued(self) -> int:
+        """Collectives this communicator numbered so far (the same on every rank)."""
+        return self._calls
+
     def _begin(self, key: int, kind: int, name: str | None) -> int:
         """Number the next collective (every rank counts alike) and remember what it is."""
         seq = self._calls

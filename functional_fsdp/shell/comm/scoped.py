@@ -84,6 +84,18 @@ class ScopedComm:
         on another (same sizes, same group) and silently swaps their data."""
         return ScopedComm(self.base, self.key, kinds=4, name=self.name)
 
+    def for_bucket(self, names: Sequence[str | None]) -> ScopedComm:
+        """The communicator of a bucket of groups (``names``, this group first) that this
+        group leads: one collective for all of them (:mod:`functional_fsdp.core.coalesce`).
+        Its tags differ from this group's own collectives' and from other bucket sizes', so
+        ranks that coalesce differently never pair messages of different sizes; they get a
+        named mismatch error, which names the bucket's groups."""
+        shown = ", ".join(str(n) for n in names[:3])
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        label = f"bucket ({shown}{more})"
+        key = -(1 + self.key * 64 + len(names) % 64)
+        return ScopedComm(self.base, key, kinds=self.kinds, name=label)
+
     @property
     def rank(self) -> int:
         """This rank's index in the group."""

@@ -45,7 +45,7 @@ from ..device.runtime import CPURuntime, DeviceRuntime
 from . import ordering
 from .group_common import _preserve_version
 
-__all__ = ["GatherSlot"]
+__all__ = ["GatherSlot", "start_coalesced"]
 
 
 def _nothing() -> None:
@@ -183,6 +183,11 @@ class GatherSlot:
             self._abort()
             raise
 
+    def ready_to_coalesce(self) -> bool:
+        """Whether a coalesced gather may start this slot: idle (not live, nothing in flight)
+        and of identity codecs (a bucket sends packed shards as they are)."""
+        return not self.live and self.pending is None and self.codecs is None
+
     def wait(self, *, keep_output: bool = False) -> None:
         """Land the gather in flight in the buffer (copying out on the packed path) and decode
         it: :func:`~functional_fsdp.core.transitions.land_unshard`, into the views of the last
@@ -281,3 +286,30 @@ class GatherSlot:
         self.live = False
         self.output = None
         return kept
+
+
+def start_coalesced(
+    slots: Sequence[GatherSlot],
+    sources: Sequence[ShardedState],
+    comm: Communicator,
+    versions: Sequence[int],
+) -> None:
+    """Issue one all-gather for several groups' slots (a bucket: see
+    :mod:`functional_fsdp.core.coalesce`); each slot then lands its part as if its own gather
+    had been in flight. Every slot must be :meth:`~GatherSlot.ready_to_coalesce` and share
+    ``comm``'s runtime."""
+    rt = slots[0].runtime
+    intos = [slot.alloc() for slot in slots]
+    with torch.no_grad():
+        pendings = ordering.issue_gather_coalesced(
+            rt, sources, comm, intos, guard=_preserve_versions
+        )
+    for slot, pending, version in zip(slots, pendings, versions):
+        slot.pending = pending
+        slot.pending_version = version
+
+
+def _preserve_versions(tensors: tuple[torch.Tensor, ...]) -> Any:
+    """Keep the buffers' version counters across the bucket's copy-out (autograd saved views
+    of them; the data is the same parameters, refreshed)."""
+    return torch.autograd._unsafe_preserve_version_counter(tensors)

@@ -28,7 +28,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from ...core import transitions as T
-from ...core.comm import Communicator
+from ...core.comm import Communicator, uses_pieces
 from ...core.compression import GradCompression
 from ...core.errors import ReproducibilityError
 from ...core.records import (
@@ -48,6 +48,7 @@ from ..device.runtime import DeviceRuntime
 from ..parallel.tensor_parallel import TensorParallelPlan
 from . import ordering
 from .autograd import UnshardFn, UseFn, reduce_differentiably
+from .coalesced import ReduceBucket, start_together
 from .config import GroupConfig
 from .gather import GatherSlot
 from .group_common import TrainingState, _contiguous_stride, layout_for, traced
@@ -154,9 +155,11 @@ class ParamGroup:
         self._post_forward_version = -1
         self.pending_reduce: T.PendingReduce | PendingTreeReduce | None = None
         self.reduce_chain = ReduceChain()  # the root shares one among its groups (lazy init)
+        self.reduce_bucket: ReduceBucket | None = None  # the root's schedule's, if any
         self.accumulated: list[torch.Tensor | None] | None = None
         self.training_state = TrainingState.IDLE
         self.ran_post_backward = False
+        self.ran_forward = False  # this iteration's forward finished (a bucket skips it)
         # The AccumulateGrad node of a trained parameter (to tell autograd.grad from backward),
         # and whether a create_graph backward needs the full parameters for a double backward.
         self._grad_accumulator: Node | None = None
@@ -526,23 +529,29 @@ class ParamGroup:
     # ------------------------------------------------------------------ phases (module hooks)
 
     def start_iteration(self) -> None:
-        """The root's forward begins: no backward has reached this group in this iteration."""
+        """The root's forward begins: no forward or backward has reached this group in this
+        iteration."""
         self.ran_post_backward = False
+        self.ran_forward = False
         self._outputs_fresh = False
         self.lent_open = 0
 
-    def pre_forward(self, prefetch: Sequence[ParamGroup]) -> None:
-        """Unshard (consuming a prefetch), start the ``prefetch`` groups' all-gathers, and put
-        this forward's full parameters on the modules (autograd outputs whose backward reduces
-        the gradients). Nothing when another module of a ``fully_shard([m1, m2])`` group
-        already did it in this forward."""
+    def pre_forward(self, prefetch: Sequence[ParamGroup], *, together: bool = False) -> None:
+        """Unshard (consuming a prefetch), start the ``prefetch`` groups' all-gathers (in one
+        collective where they can travel together, with ``together``: the next bucket), and
+        put this forward's full parameters on the modules (autograd outputs whose backward
+        reduces the gradients). Nothing when another module of a ``fully_shard([m1, m2])``
+        group already did it in this forward."""
         if self.forward_users > 1 and self.training_state == TrainingState.FORWARD:
             return
         self.training_state = TrainingState.FORWARD
         self.forward_done = 0
         self.wait_unshard()
-        for g in prefetch:
-            g.start_unshard()
+        if together:
+            start_together(prefetch)
+        else:
+            for g in prefetch:
+                g.start_unshard()
         # A lending group's outputs are made once per iteration, by its first use (its own
         # forward or another group's module: lent_full), and every later use takes them.
         fresh = self._outputs() if self._outputs_fresh else None
@@ -585,6 +594,7 @@ class ParamGroup:
         self.forward_done += 1
         if self.forward_done < self.forward_users:
             return
+        self.ran_forward = True
         if not self.lent_open:  # else the last other group's use reshards (lent_done)
             self._reshard_after_forward(
                 True if force_reshard else self.config.reshard_after_forward
@@ -677,8 +687,12 @@ class ParamGroup:
                 self.accumulated = None
             if any(g is not None for g in grads):
                 self.finish_reduce()
-                self.reduce_chain.hand_over(self)
-                self.pending_reduce = self.begin_reduce(grads, self.state)
+                bucket = self.reduce_bucket
+                if bucket is not None and self.coalesces_reduce():
+                    bucket.add(self, self.reduce_copy_in(grads))
+                else:
+                    self.reduce_chain.hand_over(self)
+                    self.pending_reduce = self.begin_reduce(grads, self.state)
 
     def finish_backward(self, is_last_backward: bool) -> None:
         """The root's final callback: finish the reduction (the last backward of an
@@ -709,9 +723,12 @@ class ParamGroup:
         unsharded gradients (no-sync), reshard and go idle."""
         self.abandon_in_flight()
         self.accumulated = None
+        if self.reduce_bucket is not None:
+            self.reduce_bucket.drop()
         if self.tree is not None:
             self.tree.reset()
         self.ran_post_backward = False
+        self.ran_forward = False
         self.forward_done = 0
         self.lent_open, self._own_open = 0, False
         self.free()
@@ -817,7 +834,7 @@ class ParamGroup:
             sharded,
             self.comm,
             async_op=async_op,
-            alloc=self._alloc_advised,
+            alloc=self.alloc_advised,
             replicate_comm=self.replicate_comm,
             divide_factor=cfg.divide_factor,
             force_sum=cfg.force_sum,
@@ -830,6 +847,65 @@ class ParamGroup:
         return with_all_reduce_hook(
             pending, cfg.all_reduce_hook, bases=self.base_comms(), name=self.name
         )
+
+    # ------------------------------------------------------------------ coalescing
+
+    def coalesce_gather(self) -> tuple[GatherSlot, ShardedState, int] | None:
+        """What a bucket's one all-gather needs from this group (its slot, its shards and
+        their version), or ``None`` when this group gathers alone now: already unsharded or in
+        flight, tensor-subclass codecs, CPU offload, rows kept for ``reshard_after_forward=k``,
+        custom collectives, or one rank."""
+        if (
+            self.offload
+            or self.comm.world_size == 1
+            or isinstance(self.comm, CustomCollectiveComm)
+            or self.config.keeps_gather_output
+            or (self._post_forward_state is not None and self.sub_comm is not None)
+        ):
+            return None
+        now = self.drop_stale()
+        if not self.slot.ready_to_coalesce():
+            return None
+        return self.slot, self.state, now
+
+    def coalesces_reduce(self) -> bool:
+        """Whether this group's reduction may travel in a bucket now: the packed path of a
+        plain reduce-scatter (no compression, custom reduce-scatter, all-reduce hook,
+        reproducible tree, gradient-sync-off accumulation or pieces path)."""
+        cfg = self.config
+        return (
+            self.tree is None
+            and cfg.grad_compression is None
+            and cfg.all_reduce_hook is None
+            and cfg.requires_gradient_sync
+            and self.comm.world_size > 1
+            and not isinstance(self.comm, CustomCollectiveComm)
+            and not uses_pieces(self.comm, self.layout.unsharded_bytes)
+        )
+
+    def reduce_copy_in(self, grads: Sequence[torch.Tensor | None]) -> T.ReduceInput:
+        """This group's reduction copy-in (packed, pre-divided, on compute), for a bucket."""
+        cfg = self.config
+        return ordering.reduce_copy_in(
+            self.runtime,
+            grads,
+            self.state,
+            self.comm,
+            replicate_comm=self.replicate_comm,
+            divide_factor=cfg.divide_factor,
+            force_sum=cfg.force_sum,
+            all_reduce=cfg.requires_all_reduce,
+            reduce_unused=cfg.reduce_unused,
+        )
+
+    def join_reduce_bucket(self, bucket: ReduceBucket | None) -> None:
+        """Reduce in ``bucket`` (a :class:`~.coalesced.ReduceBucket`) from now on, when
+        :meth:`coalesces_reduce`; ``None``: alone."""
+        self.reduce_bucket = bucket
+
+    def take_reduce(self, pending: T.PendingReduce) -> None:
+        """This group's part of a bucket's reduce-scatter, now in flight."""
+        self.pending_reduce = pending
 
     def trained(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """``grads`` with ``None`` for the frozen parameters."""
@@ -897,7 +973,8 @@ class ParamGroup:
             return view.grad_fn.next_functions[0][0]
         return None
 
-    def _alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new reduction output buffer, with the kernel advised about the fresh memory."""
         t = torch.empty(numel, dtype=dtype, device=device)
         self._advise(t)
         return t
@@ -983,16 +1060,23 @@ class ReduceChain:
         group: the group whose reduction is in flight (or last was), else ``None``.
     """
 
-    __slots__ = ("group",)
+    __slots__ = ("groups",)
 
     def __init__(self) -> None:
-        self.group: ParamGroup | None = None
+        self.groups: tuple[ParamGroup, ...] = ()
 
-    def hand_over(self, group: ParamGroup) -> None:
-        """Finish the reduction in flight of another group; ``group`` issues the next one."""
-        prev, self.group = self.group, group
-        if prev is not None and prev is not group:
-            prev.finish_reduce()
+    @property
+    def group(self) -> ParamGroup | None:
+        """The (last) group whose reduction is in flight, else ``None``."""
+        return self.groups[-1] if self.groups else None
+
+    def hand_over(self, *groups: ParamGroup) -> None:
+        """Finish the reduction in flight of other groups; ``groups`` (one, or a bucket's
+        members reducing in one collective) issue the next one."""
+        prev, self.groups = self.groups, groups
+        for g in prev:
+            if g not in groups:
+                g.finish_reduce()
 
 
 class OwnReduction:

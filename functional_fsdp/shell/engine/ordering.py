@@ -37,6 +37,7 @@ import attrs
 import torch
 
 from ...core import transitions as T
+from ...core.coalesce import begin_unshard_coalesced, issue_reduce_coalesced
 from ...core.codec import GatherCodec
 from ...core.comm import Communicator
 from ...core.records import PostForwardState, ShardedState
@@ -51,10 +52,13 @@ __all__ = [
     "gather_done",
     "host_may_write_shards",
     "issue_gather",
+    "issue_gather_coalesced",
+    "issue_reduce_coalesced_after_compute",
     "issue_reduce",
     "issue_tree_reduce",
     "land_gather",
     "reduce_after_compute",
+    "reduce_copy_in",
     "retire_gather",
     "wait_for_gather",
 ]
@@ -100,6 +104,34 @@ def issue_gather(
             assert out is not None
             rt.access(ag, "all-gather", reads=[enc.tensor], writes=[out])
     return pending, staged
+
+
+def issue_gather_coalesced(
+    rt: DeviceRuntime,
+    sources: Sequence[ShardedState],
+    comm: Communicator,
+    intos: Sequence[torch.Tensor],
+    *,
+    guard: Callable[[tuple[torch.Tensor, ...]], Any] | None = None,
+) -> list[T.PendingUnshard]:
+    """A bucket's one all-gather (:func:`~functional_fsdp.core.coalesce.begin_unshard_coalesced`):
+    the copy-in (the members' shards side by side) and the collective on the all-gather
+    stream, after compute (which wrote the shards and freed the buffers). The bucket's output is
+    copied out into every member's buffer when the first member's landing waits for it, on the
+    all-gather stream, before the event compute waits for."""
+    ci, ag = rt.side_stream("copy_in"), rt.side_stream("all_gather")
+    rt.wait_stream(ci, rt.compute)
+    rt.wait_stream(ag, ci)
+    with rt.use(ag):
+        pendings = begin_unshard_coalesced(sources, comm, intos, guard=guard)
+        if rt.checks:
+            rt.access(
+                ag,
+                "all-gather (coalesced)",
+                reads=[s.flat for s in sources],
+                writes=list(intos),
+            )
+    return pendings
 
 
 def _stage(
@@ -231,9 +263,30 @@ def issue_reduce(
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor],
     **settings: Any,
 ) -> T.PendingReduce:
-    """The copy-in on compute (:func:`~functional_fsdp.core.transitions.reduce_input`), then
-    the reduce-scatter on its stream (``settings``: the core's reduction keywords)."""
-    c, rs = rt.compute, rt.side_stream("reduce_scatter")
+    """The copy-in on compute (:func:`reduce_copy_in`), then the reduce-scatter on its
+    stream (``settings``: the core's reduction keywords)."""
+    rin = reduce_copy_in(rt, grads, sharded, comm, **settings)
+    present = [g for g in grads if g is not None] if rt.checks else []
+    rs = rt.side_stream("reduce_scatter")
+    reduce_after_compute(rt)
+    with rt.use(rs):
+        pending = T.issue_reduce(rin, comm, async_op=async_op, alloc=alloc)
+        if rt.checks:
+            sent = [rin.packed] if rin.packed is not None else present
+            rt.access(rs, "reduce-scatter", reads=sent, writes=[pending.output])
+    return pending
+
+
+def reduce_copy_in(
+    rt: DeviceRuntime,
+    grads: Sequence[torch.Tensor | None],
+    sharded: ShardedState,
+    comm: Communicator,
+    **settings: Any,
+) -> T.ReduceInput:
+    """A reduction's copy-in on compute, where backward made the gradients
+    (:func:`~functional_fsdp.core.transitions.reduce_input`: pack, cast, pre-divide)."""
+    c = rt.compute
     present = [g for g in grads if g is not None] if rt.checks else []
     if rt.checks:  # backward made the gradients on compute
         rt.access(c, "backward (the gradients)", writes=present)
@@ -242,13 +295,27 @@ def issue_reduce(
         if rt.checks:
             packed = [rin.packed] if rin.packed is not None else []
             rt.access(c, "reduce-scatter copy-in", reads=present, writes=packed)
+    return rin
+
+
+def issue_reduce_coalesced_after_compute(
+    rt: DeviceRuntime,
+    rins: Sequence[T.ReduceInput],
+    comm: Communicator,
+    *,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor],
+) -> list[T.PendingReduce]:
+    """A bucket's one reduce-scatter (the members' copy-ins already made on compute, as
+    :func:`issue_reduce` makes one) on the reduce-scatter stream, after compute."""
     reduce_after_compute(rt)
+    rs = rt.side_stream("reduce_scatter")
     with rt.use(rs):
-        pending = T.issue_reduce(rin, comm, async_op=async_op, alloc=alloc)
+        pendings = issue_reduce_coalesced(rins, comm, alloc=alloc)
         if rt.checks:
-            sent = [rin.packed] if rin.packed is not None else present
-            rt.access(rs, "reduce-scatter", reads=sent, writes=[pending.output])
-    return pending
+            sent = [r.packed for r in rins if r.packed is not None]
+            outs = [p.output for p in pendings]
+            rt.access(rs, "reduce-scatter (coalesced)", reads=sent, writes=outs)
+    return pendings
 
 
 def issue_tree_reduce(

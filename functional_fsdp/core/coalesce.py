@@ -1,0 +1,275 @@
+"""Coalesced collectives: several small groups' all-gathers (or reduce-scatters) as one (pure).
+
+Every collective is a synchronisation point between ranks: with many small groups (a deep model
+of small blocks) a step pays dozens of latency-bound all-gathers and reduce-scatters, each
+waiting for the slowest rank to arrive. Adjacent groups whose data is small travel together in a
+*bucket*: one all-gather whose input is the groups' packed shards side by side, and one
+reduce-scatter of their packed gradients side by side. Coalescing changes who travels together,
+never what is summed: each element of a reduce-scatter is still the sum of the same ``N``
+values in the same rank order, so the results are bit-identical to one collective per group.
+
+The plan (:func:`plan_buckets`) is integers only: groups in the order they run (the forward
+order the root records in its first step, reversed for the backward), their unsharded bytes,
+whether each may join a bucket, and the bucket size. Every rank derives it from facts every rank
+shares, so every rank issues the same collectives. :class:`CommunicationSchedule` is the plan as
+a record (``FSDPModule.communication_schedule()``).
+
+The collectives (:func:`begin_unshard_coalesced`, :func:`issue_reduce_coalesced`) return one
+handle per group, each the same type the one-group path returns
+(:class:`~.transitions.PendingUnshard`, :class:`~.reduction.PendingReduce`), so landing and
+finishing a group's part are the one-group code: the gather's handle lands as if the pieces had
+arrived in the group's buffer (the bucket's output is copied out into every member's buffer when
+the first member waits), and the reduction's output is the group's slice of the bucket's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+
+import attrs
+import torch
+
+from .comm import Communicator, Work, check_comm
+from .errors import StateError
+from .records import ShardedState
+from .reduction import PendingReduce, ReduceInput
+from .transitions import PendingUnshard, copy_out, encode_unshard
+
+__all__ = [
+    "Bucket",
+    "CoalescedWork",
+    "CommunicationSchedule",
+    "begin_unshard_coalesced",
+    "issue_reduce_coalesced",
+    "plan_buckets",
+]
+
+
+@attrs.frozen
+class Bucket:
+    """Groups whose collectives travel together, in the order they run.
+
+    Attributes:
+        groups: the groups' names.
+        unsharded_bytes: their all-gather outputs' bytes together (the bucket's memory).
+    """
+
+    groups: tuple[str, ...]
+    unsharded_bytes: int
+
+    @property
+    def coalesced(self) -> bool:
+        """Whether more than one group travels in this bucket."""
+        return len(self.groups) > 1
+
+
+@attrs.frozen
+class CommunicationSchedule:
+    """Which groups' collectives travel together (``FSDPModule.communication_schedule()``).
+
+    Attributes:
+        bucket_bytes: the bucket size the plan used (``0``: coalescing off).
+        forward: the forward's all-gathers, in forward order.
+        backward: the backward's all-gathers and reduce-scatters, in backward order.
+    """
+
+    bucket_bytes: int
+    forward: tuple[Bucket, ...]
+    backward: tuple[Bucket, ...]
+
+    def collectives(self) -> tuple[int, int]:
+        """``(forward, backward)`` bucket counts: collectives per phase and kind."""
+        return len(self.forward), len(self.backward)
+
+
+def plan_buckets(
+    names: Sequence[str],
+    sizes: Sequence[int],
+    eligible: Sequence[bool],
+    bucket_bytes: int,
+) -> tuple[Bucket, ...]:
+    """Cut groups (in the order they run) into buckets of adjacent groups.
+
+    A bucket holds consecutive eligible groups whose unsharded bytes add up to at most
+    ``bucket_bytes``; an ineligible group, or one larger than the bucket, travels alone.
+    ``bucket_bytes <= 0`` turns coalescing off (one bucket per group).
+
+    Example:
+        >>> [b.groups for b in plan_buckets("abcde", [4, 4, 4, 9, 1], [True] * 5, 8)]
+        [('a', 'b'), ('c',), ('d',), ('e',)]
+    """
+    if not len(names) == len(sizes) == len(eligible):
+        raise StateError("plan_buckets: names, sizes and eligible must have the same length")
+    out: list[Bucket] = []
+    cur: list[str] = []
+    cur_bytes = 0
+
+    def close() -> None:
+        nonlocal cur, cur_bytes
+        if cur:
+            out.append(Bucket(tuple(cur), cur_bytes))
+        cur, cur_bytes = [], 0
+
+    for name, size, ok in zip(names, sizes, eligible):
+        if not ok or bucket_bytes <= 0 or size > bucket_bytes:
+            close()
+            out.append(Bucket((name,), size))
+            continue
+        if cur_bytes + size > bucket_bytes:
+            close()
+        cur.append(name)
+        cur_bytes += size
+    close()
+    return tuple(out)
+
+
+class CoalescedWork:
+    """A *handle*: one collective for several groups, then (once, at the first ``wait``) the
+    step that hands each group its part (e.g. the gather's copy-out into every member's
+    buffer). Every member's handle holds the same one; waiting twice is free."""
+
+    __slots__ = ("_then", "_work")
+
+    def __init__(self, work: Work, then: Callable[[], None] | None = None) -> None:
+        self._work: Work | None = work
+        self._then = then
+
+    def wait(self) -> None:
+        """Wait for the collective, then run the hand-out step (the first time only)."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+def _check_bucket(states: Sequence[ShardedState], comm: Communicator, what: str) -> None:
+    if not states:
+        raise StateError(f"{what}: an empty bucket")
+    ws = states[0].layout.world_size
+    for s in states:
+        if not isinstance(s, ShardedState):
+            raise StateError(f"{what}: buckets hold ShardedStates, got {type(s).__name__}")
+        if s.layout.world_size != ws:
+            raise StateError(f"{what}: groups of different world sizes cannot share a bucket")
+    check_comm(comm, ws, what)
+
+
+def begin_unshard_coalesced(
+    states: Sequence[ShardedState],
+    comm: Communicator,
+    intos: Sequence[torch.Tensor],
+    *,
+    async_op: bool = True,
+    guard: Callable[[tuple[torch.Tensor, ...]], AbstractContextManager[object]] | None = None,
+) -> list[PendingUnshard]:
+    """One all-gather for several groups: each group's :class:`PendingUnshard`.
+
+    Each rank sends its groups' packed shards side by side (one message per peer); when the
+    first member waits, the rank-major output is copied out into every member's buffer
+    (``intos[k]``, laid out as :func:`~.transitions.copy_out` lays out one group's) and freed.
+    Each handle then lands like a gather whose pieces arrived in its buffer. Identity codecs
+    only, one wire dtype for the bucket.
+
+    Args:
+        states: the members' sharded states, in bucket order (every rank the same).
+        comm: the shard group.
+        intos: per member, its unsharded buffer (``world_size`` rows of its packing).
+        async_op: return before the collective completes.
+        guard: a context the copy-out into the buffers runs in (the shell keeps their
+            autograd version counters, as for a one-group landing).
+    """
+    _check_bucket(states, comm, "coalesced unshard")
+    encoded = [encode_unshard(s, comm) for s in states]
+    dtypes = {e.tensor.dtype for e in encoded}
+    if len(dtypes) != 1 or any(e.metadata is not None for e in encoded):
+        raise StateError(
+            "coalesced unshard: a bucket's groups must share one wire dtype and identity "
+            f"codecs (got dtypes {sorted(str(d) for d in dtypes)})"
+        )
+    sizes = [e.tensor.numel() for e in encoded]
+    total = sum(sizes)
+    ws = comm.world_size
+    send = torch.cat([e.tensor for e in encoded])
+    out = torch.empty(ws * total, dtype=send.dtype, device=send.device)
+    work = comm.all_gather(out, send, async_op=async_op)
+    rows = out.view(ws, total)
+    parts = list(rows.split(sizes, dim=1))
+
+    def hand_out() -> None:
+        with contextlib.nullcontext() if guard is None else guard(tuple(intos)):
+            for s, part, into in zip(states, parts, intos):
+                copy_out(s.layout, part, into)
+        out.untyped_storage().resize_(0)
+        send.untyped_storage().resize_(0)
+
+    shared = CoalescedWork(work, hand_out)
+    return [
+        PendingUnshard(s.layout, s.rank, None, shared, s, into) for s, into in zip(states, intos)
+    ]
+
+
+def issue_reduce_coalesced(
+    rins: Sequence[ReduceInput],
+    comm: Communicator,
+    *,
+    async_op: bool = True,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
+) -> list[PendingReduce]:
+    """One reduce-scatter for several groups' packed gradients: each group's
+    :class:`PendingReduce`, whose output is its slice of the bucket's output.
+
+    Each rank sends every peer that peer's rows of all members side by side; each element is
+    summed over the same ranks in the same order as in a reduce-scatter per group.
+
+    Args:
+        rins: the members' copy-ins (:func:`~.reduction.reduce_input`, the packed path: no
+            compression), in bucket order; one reduce dtype and one divide rule for all.
+        comm: the shard group.
+        async_op: return before the collective completes.
+        alloc: makes the output buffer (default ``torch.empty``).
+    """
+    _check_bucket([r.sharded for r in rins], comm, "coalesced reduce-scatter")
+    if any(r.packed is None or r.compression is not None for r in rins):
+        raise StateError(
+            "coalesced reduce-scatter: every member needs a packed input without compression"
+        )
+    ops = {r.factors.op for r in rins}
+    dtypes = {r.rdtype for r in rins}
+    if len(ops) != 1 or len(dtypes) != 1:
+        raise StateError(
+            "coalesced reduce-scatter: a bucket's groups must share one reduce dtype and one "
+            "reduce op"
+        )
+    ws = comm.world_size
+    sizes = [r.packed.numel() // ws for r in rins if r.packed is not None]
+    total = sum(sizes)
+    device = rins[0].device
+    send = torch.cat([r.packed.view(ws, -1) for r in rins if r.packed is not None], dim=1)
+    send = send.view(-1)
+    out = (alloc or _empty)(total, send.dtype, device)
+    work = comm.reduce_scatter(out, send, op=ops.pop(), async_op=async_op)
+    shared = CoalescedWork(work)
+    pendings = []
+    for r, part in zip(rins, out.split(sizes)):
+        pendings.append(
+            PendingReduce(
+                r.sharded,
+                part,
+                shared,
+                r.factors,
+                r.present,
+                r.replicate_comm,
+                r.all_reduce,
+                r.sharded.residual,
+                send,
+            )
+        )
+    return pendings
+
+
+def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)

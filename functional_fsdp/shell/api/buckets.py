@@ -1,0 +1,165 @@
+"""The root's communication schedule: which groups' collectives travel together.
+
+After its first forward the root knows the order its groups run in (``forward_order``, and the
+backward's: the reverse of the post-forward order). :func:`derive` cuts each order into buckets
+of adjacent small groups with :func:`functional_fsdp.core.coalesce.plan_buckets` (the bucket
+size: ``fully_shard(..., bucket_bytes=n)`` or ``FSDPModule.set_bucket_bytes(n)`` on the root;
+``0`` turns coalescing off), from facts every rank shares, so every rank issues the same
+collectives. During a step (``state.py``):
+
+- forward: a group whose bucket has not started starts it (one all-gather for the bucket's
+  groups from it on); the bucket's last group prefetches the next bucket, whole;
+- backward: the same over the backward buckets, for the groups that gather again in backward;
+  each backward bucket of several groups also reduce-scatters in one collective
+  (:class:`~functional_fsdp.shell.engine.coalesced.ReduceBucket`).
+
+A group travels alone when it cannot share a collective: tensor-subclass all-gather codecs,
+CPU offload, ``reshard_after_forward=k``, custom collectives, weights tied across groups, a
+``fully_shard([m1, m2])`` group, one rank, or a group larger than the bucket. Explicit prefetch
+(``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) on any module wins: the
+all-gathers then follow the user's lists, one per group, as without a schedule (the
+reduce-scatters still coalesce).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import attrs
+
+from ...core.coalesce import Bucket, CommunicationSchedule, plan_buckets
+from ..comm.custom import CustomCollectiveComm, base_comm
+from ..engine.coalesced import ReduceBucket
+from ..engine.group import ParamGroup
+from ..engine.tied import TiedUse
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "Schedule", "Scheduled", "derive"]
+
+
+class Scheduled(Protocol):
+    """What the schedule reads of a module's FSDP state (``state.FSDPState`` is one)."""
+
+    name: str
+    group: ParamGroup | None
+    tied: list[TiedUse]
+
+
+# Chosen by measurement (benchmarks/bench_step.py --model deep --bucket-bytes ...; README).
+DEFAULT_BUCKET_BYTES = 4 << 20
+
+
+@attrs.frozen(eq=False)
+class Schedule:
+    """The root's derived schedule: the record, and each state's bucket per phase.
+
+    Attributes:
+        record: the :class:`~functional_fsdp.core.coalesce.CommunicationSchedule`.
+        gathers: whether all-gathers coalesce (not when a module sets explicit prefetch: the
+            user's lists decide when each group gathers; reduce-scatters still coalesce).
+        forward: ``id(state)`` -> the states of its forward bucket, in forward order.
+        backward: ``id(state)`` -> the states of its backward bucket, in backward order.
+        reduce_buckets: the reduce buckets of the backward buckets of several groups.
+    """
+
+    record: CommunicationSchedule
+    gathers: bool
+    forward: dict[int, tuple[Scheduled, ...]]
+    backward: dict[int, tuple[Scheduled, ...]]
+    reduce_buckets: tuple[ReduceBucket, ...]
+
+    def rest(self, state: Scheduled, backward: bool) -> tuple[Scheduled, ...]:
+        """The states of ``state``'s bucket from ``state`` on (``()``: not scheduled)."""
+        bucket = (self.backward if backward else self.forward).get(id(state), ())
+        return bucket[bucket.index(state) :] if bucket else ()
+
+    def is_last(self, state: Scheduled, backward: bool) -> bool:
+        """Whether ``state`` ends its bucket (it prefetches the next one)."""
+        bucket = (self.backward if backward else self.forward).get(id(state), ())
+        return bool(bucket) and bucket[-1] is state
+
+
+def _eligible(state: Scheduled) -> bool:
+    """Whether a state's group may share a collective with others (a static check; the
+    engine checks the dynamic part at every start: ``ParamGroup.coalesce_gather``)."""
+    g = state.group
+    return (
+        g is not None
+        and not state.tied
+        and not g.lends
+        and g.forward_users == 1
+        and g.slot.codecs is None
+        and not g.offload
+        and g.sub_comm is None
+        and g.comm.world_size > 1
+        and not isinstance(g.comm, CustomCollectiveComm)
+        and base_comm(g.comm) is not None
+    )
+
+
+def _key(state: Scheduled) -> object:
+    """Groups share a bucket only over the same process group and with one wire dtype."""
+    g = state.group
+    assert g is not None
+    base = base_comm(g.comm)
+    return (id(base.group) if base is not None else None, g.layout.gather_buffer_dtype)
+
+
+def _cut(
+    states: Sequence[Scheduled], bucket_bytes: int
+) -> tuple[tuple[Bucket, ...], dict[int, tuple[Scheduled, ...]]]:
+    """Buckets over ``states`` (those with a group, each group once, in order)."""
+    seen: set[int] = set()
+    order: list[Scheduled] = []
+    for s in states:
+        if s.group is not None and id(s.group) not in seen:
+            seen.add(id(s.group))
+            order.append(s)
+    names = [f"{s.name}#{i}" for i, s in enumerate(order)]
+    ok = [_eligible(s) for s in order]
+    sizes = [s.group.layout.unsharded_bytes if s.group is not None else 0 for s in order]
+    # A change of process group or wire dtype closes a bucket: plan each run separately.
+    buckets: list[Bucket] = []
+    start = 0
+    for i in range(1, len(order) + 1):
+        if i == len(order) or not ok[i] or not ok[i - 1] or _key(order[i]) != _key(order[i - 1]):
+            buckets.extend(plan_buckets(names[start:i], sizes[start:i], ok[start:i], bucket_bytes))
+            start = i
+    by_name = dict(zip(names, order))
+    members: dict[int, tuple[Scheduled, ...]] = {}
+    out = []
+    for b in buckets:
+        group = tuple(by_name[n] for n in b.groups)
+        for s in group:
+            members[id(s)] = group
+        out.append(Bucket(tuple(s.name for s in group), b.unsharded_bytes))
+    return tuple(out), members
+
+
+def derive(
+    forward_order: Sequence[Scheduled],
+    post_forward_order: Sequence[Scheduled],
+    groups: Sequence[ParamGroup],
+    bucket_bytes: int,
+    *,
+    gathers: bool = True,
+) -> Schedule:
+    """The schedule of a root's recorded orders with buckets of ``bucket_bytes``; gives
+    each group of a backward bucket of several groups that bucket's reduce-scatter (and every
+    other of the root's ``groups`` none)."""
+    fwd, fmembers = _cut(forward_order, bucket_bytes)
+    bwd, bmembers = _cut(list(post_forward_order)[::-1], bucket_bytes)
+    reduce_buckets = []
+    for g in groups:
+        g.join_reduce_bucket(None)
+    done: set[int] = set()
+    for group in bmembers.values():
+        if len(group) > 1 and id(group[0]) not in done:
+            done.add(id(group[0]))
+            members: list[ParamGroup] = [s.group for s in group if s.group is not None]
+            bucket = ReduceBucket(members)
+            for g in members:
+                g.join_reduce_bucket(bucket)
+            reduce_buckets.append(bucket)
+    record = CommunicationSchedule(max(bucket_bytes, 0), fwd, bwd)
+    return Schedule(record, gathers, fmembers, bmembers, tuple(reduce_buckets))

@@ -1,0 +1,135 @@
+"""Buckets at run time: several groups' all-gathers, or reduce-scatters, in one collective.
+
+The root's schedule (:mod:`functional_fsdp.shell.api.buckets`) cuts its groups into buckets of
+adjacent small groups (:func:`functional_fsdp.core.coalesce.plan_buckets`). Here is what a
+bucket does during a step:
+
+- :func:`start_together`: the groups of a forward (or backward) bucket that need their
+  parameters start one all-gather (:func:`~.gather.start_coalesced`); each group's own
+  ``wait_unshard`` then lands its part, as it lands a prefetch. A group that cannot travel in a
+  bucket right now (see :meth:`~.group.ParamGroup.coalesce_gather`) gathers alone, as before.
+- :class:`ReduceBucket`: the members' ``post_backward`` hand it their packed gradients (the
+  copy-in runs at once, on compute, and frees autograd's gradients); the last member's
+  issues one reduce-scatter for all, and every member gets its part as its reduction in
+  flight, which it finishes as it finishes its own. The root's final callback flushes a bucket
+  some members of which got no gradient this step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+
+from ...core import transitions as T
+from ...core.comm import Communicator
+from ...core.records import ShardedState
+from ..comm.scoped import ScopedComm
+from ..device.runtime import DeviceRuntime
+from . import ordering
+from .gather import GatherSlot, start_coalesced
+
+__all__ = ["Member", "ReduceBucket", "bucket_comm", "start_together"]
+
+
+class Member(Protocol):
+    """What a bucket needs of a group (:class:`~.group.ParamGroup` is one)."""
+
+    name: str
+    comm: Communicator
+    runtime: DeviceRuntime
+    reduce_chain: Any
+
+    def coalesce_gather(self) -> tuple[GatherSlot, ShardedState, int] | None: ...
+
+    def start_unshard(self, version: int | None = None) -> None: ...
+
+    def take_reduce(self, pending: T.PendingReduce) -> None: ...
+
+    def alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> Any: ...
+
+
+def start_together(groups: Sequence[Member]) -> None:
+    """Start the all-gathers ``groups`` need: one collective for those that can travel
+    together (the same wire dtype as the first of them), alone for the others. Every rank
+    calls it with the same groups in the same state, so every rank issues the same
+    collectives."""
+    joined: list[tuple[Member, tuple[GatherSlot, ShardedState, int]]] = []
+    alone: list[Member] = []
+    for g in groups:
+        req = g.coalesce_gather()
+        if req is None or (joined and _wire(req) != _wire(joined[0][1])):
+            alone.append(g)  # alone now, or another wire dtype than the bucket's first
+        else:
+            joined.append((g, req))
+    if len(joined) == 1:
+        alone.insert(0, joined.pop()[0])
+    if joined:
+        with torch.profiler.record_function(f"FSDP::all_gather ({joined[0][0].name})"):
+            start_coalesced(
+                [r[0] for _, r in joined],
+                [r[1] for _, r in joined],
+                bucket_comm([g for g, _ in joined]),
+                [r[2] for _, r in joined],
+            )
+    for g in alone:
+        g.start_unshard()
+
+
+def bucket_comm(members: Sequence[Member]) -> Communicator:
+    """The communicator a bucket of ``members`` runs on: the first member's process group with
+    tags and a name of its own
+    (:meth:`~functional_fsdp.shell.comm.scoped.ScopedComm.for_bucket`); a bucket of one is
+    that group's own collective."""
+    comm = members[0].comm
+    if len(members) > 1 and isinstance(comm, ScopedComm):
+        names = [m.comm.name if isinstance(m.comm, ScopedComm) else m.name for m in members]
+        return comm.for_bucket(names)
+    return comm
+
+
+class ReduceBucket:
+    """The reduce-scatters of a backward bucket's members, issued as one.
+
+    Args:
+        members: the groups, in backward order (the last one's post-backward issues).
+    """
+
+    __slots__ = ("_inputs", "members")
+
+    def __init__(self, members: Sequence[Member]) -> None:
+        self.members = tuple(members)
+        self._inputs: dict[int, T.ReduceInput] = {}
+
+    def add(self, group: Member, rin: T.ReduceInput) -> None:
+        """``group``'s packed gradients of this backward; issue when every member's is in."""
+        self._inputs[id(group)] = rin
+        if len(self._inputs) == len(self.members):
+            self.flush()
+
+    def flush(self) -> None:
+        """Issue the reduce-scatter of the members that handed in gradients (in bucket
+        order); nothing when none did."""
+        posted = [g for g in self.members if id(g) in self._inputs]
+        if not posted:
+            return
+        rins = [self._inputs[id(g)] for g in posted]
+        self._inputs.clear()
+        first = posted[0]
+        first.reduce_chain.hand_over(*posted)
+        with torch.profiler.record_function(f"FSDP::post_backward_reduce ({first.name})"):
+            pendings = ordering.issue_reduce_coalesced_after_compute(
+                first.runtime, rins, bucket_comm(posted), alloc=first.alloc_advised
+            )
+        for g, p in zip(posted, pendings):
+            g.take_reduce(p)
+
+    def drop(self) -> None:
+        """Forget handed-in gradients (``reset_iter_state``: the step is abandoned)."""
+        self._inputs.clear()
+
+
+def _wire(req: tuple[GatherSlot, ShardedState, int]) -> torch.dtype:
+    """The dtype a group sends in its all-gather."""
+    return req[1].layout.gather_buffer_dtype
