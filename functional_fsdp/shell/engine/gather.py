@@ -209,7 +209,14 @@ class GatherSlot:
                     keep_output=keep_output,
                 )
         except GatherCodecError:  # a post hook failed: the peers must not wait for this rank
+            self.pending = pending
             self._abort()
+            raise
+        except BaseException:
+            # The wait failed (a peer aborted, a mismatch, a timeout): the gather is still in
+            # flight as far as anyone knows, so reset_iter_state abandons it (its buffers stay
+            # referenced, never freed under a late write) instead of freeing the buffer.
+            self.pending = pending
             raise
         if not self.views:
             self.views = landed.params
