@@ -130,6 +130,7 @@ def _rebuild(states: list[FSDPState], groups: list[ParamGroup], memo: dict[Any, 
         )
         ns.user_reshard_after_forward = s.user_reshard_after_forward
         ns.is_last_backward = s.is_last_backward
+        ns.bucket_bytes = s.bucket_bytes  # the copy derives its own schedule on first use
         for use in s.tied:  # weights tied across groups: the copied owner lends them
             owner = new_groups.get(id(use.owner))
             if owner is None:
