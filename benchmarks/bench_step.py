@@ -15,7 +15,9 @@ tensors. Models (``--model``):
 
 ``repro``: ours with ``ReproduciblePolicy(virtual_world_size=world size x micro-batches)`` on
 every group (the cost of bit-identical training at any world size: docs/reproducibility.md).
-``ours:B`` (or ``repro:B``) sets the bucket size of the coalesced collectives
+``copies``: ours with ``keep_neighbour_copies`` (every rank also receives its neighbour's
+parameters and Adam state after each step: the cost of surviving a lost rank). ``ours:B`` (or
+``repro:B``) sets the bucket size of the coalesced collectives
 (``fully_shard(model, bucket_bytes=B)``: ``4M``, ``512K``, bytes; ``ours:0`` is one collective
 per group, as FSDP2). ``--micro-batches K`` splits each rank's batch into ``K`` accumulated micro-batches, gradient sync
 on the last only (DDP: ``no_sync``), as FSDP2's accumulation recipe does.
@@ -94,7 +96,7 @@ def _build(
     variant = _use_tree(variant).partition(":")[0]
     torch.manual_seed(0)
     model = GPT(cfg)
-    if variant in ("ours", "fsdp2", "repro"):
+    if variant in ("ours", "fsdp2", "repro", "copies"):
         kw: dict = {}
         if variant == "fsdp2":
             from torch.distributed.fsdp import fully_shard
@@ -155,6 +157,10 @@ def _worker(
         for b in blocks:
             b.compile(backend="inductor")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if variant.partition("@")[0].partition(":")[0] == "copies":
+        from functional_fsdp import keep_neighbour_copies
+
+        keep_neighbour_copies(model, opt)  # the neighbour's state after every step
     loss_fn = model.module.loss if variant == "ddp" else model.loss  # type: ignore[union-attr]
     times, losses = [], []
     for step in range(args.warmup + args.steps):
@@ -193,7 +199,7 @@ def _worker(
 
 def _set_sync(model: torch.nn.Module, variant: str, on: bool) -> None:
     """Gradient sync on the last micro-batch only (FSDP2's ``set_requires_gradient_sync``)."""
-    if variant.partition("@")[0].partition(":")[0] in ("ours", "fsdp2", "repro"):
+    if variant.partition("@")[0].partition(":")[0] in ("ours", "fsdp2", "repro", "copies"):
         model.set_requires_gradient_sync(on)  # type: ignore[operator]
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import attrs
 import torch
 
 from .comm import Communicator, check_comm
@@ -26,6 +27,7 @@ from .records import GroupLayout, ShardedState
 from .transitions import shard_tensors
 
 __all__ = [
+    "Redundancy",
     "copy_holder",
     "copy_source",
     "recoverable",
@@ -33,6 +35,28 @@ __all__ = [
     "relayout",
     "survivors",
 ]
+
+
+def _one_copy(_inst: object, _attr: object, value: int) -> None:
+    if isinstance(value, bool) or value != 1:
+        raise StateError(
+            f"Redundancy(copies={value!r}): one copy per rank (copies=1) is what is built; a "
+            "rank and its neighbour lost together cannot be rebuilt from memory"
+        )
+
+
+@attrs.frozen
+class Redundancy:
+    """Keep ``copies`` copies of every rank's shards (parameters and optimizer state) on other
+    ranks after each optimizer step, so a lost rank can be rebuilt from memory.
+
+    Rank ``r`` holds the copy of rank :func:`copy_source` ``(r)``'s (its neighbour's).
+
+    Args:
+        copies: ``1`` (the neighbour's).
+    """
+
+    copies: int = attrs.field(default=1, validator=_one_copy)
 
 
 def copy_source(rank: int, world_size: int) -> int:

@@ -8,6 +8,7 @@ Its rooms (see ``docs/design.md``):
 - ``io/``: state dicts and checkpoints, ``summon_full_params``, reloading parameters;
 - ``comm/``: communicators over real process groups and FSDP2's custom-collective hooks;
 - ``parallel/``: tensor-parallel ``DTensor`` parameters under ``fully_shard`` (2-D);
+- ``recovery/``: the copies of a neighbour's state that a lost rank is rebuilt from;
 - ``launch.py``: running a function on N local CPU ranks.
 
 Everything other layers (``functional_fsdp.functional``, the top level) use from the shell is
@@ -32,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "TreeReductions": ".engine.reproducible",
     "ProcessGroupComm": ".comm.process_group",
     "summon_full_params": ".io.summon",
+    "keep_neighbour_copies": ".recovery.copies",
     "save_checkpoint": ".io.checkpoint",
     "load_checkpoint": ".io.checkpoint",
     "ChecksummingFileSystemWriter": ".io.checkpoint_files",
