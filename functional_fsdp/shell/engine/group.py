@@ -828,6 +828,9 @@ class ParamGroup:
         """Issue the reduce-scatter of ``grads`` into ``sharded`` with this group's settings
         (the copy-in on compute, the collective on the reduce-scatter stream: :mod:`.ordering`)."""
         cfg = self.config
+        settings = self._reduce_settings()
+        if all_reduce is not None:
+            settings["all_reduce"] = all_reduce
         pending = ordering.issue_reduce(
             self.runtime,
             grads,
@@ -835,12 +838,8 @@ class ParamGroup:
             self.comm,
             async_op=async_op,
             alloc=self.alloc_advised,
-            replicate_comm=self.replicate_comm,
-            divide_factor=cfg.divide_factor,
-            force_sum=cfg.force_sum,
-            all_reduce=cfg.requires_all_reduce if all_reduce is None else all_reduce,
-            reduce_unused=cfg.reduce_unused,
             compression=cfg.grad_compression,
+            **settings,
         )
         if cfg.all_reduce_hook is None:
             return pending
@@ -885,18 +884,20 @@ class ParamGroup:
 
     def reduce_copy_in(self, grads: Sequence[torch.Tensor | None]) -> T.ReduceInput:
         """This group's reduction copy-in (packed, pre-divided, on compute), for a bucket."""
-        cfg = self.config
         return ordering.reduce_copy_in(
-            self.runtime,
-            grads,
-            self.state,
-            self.comm,
-            replicate_comm=self.replicate_comm,
-            divide_factor=cfg.divide_factor,
-            force_sum=cfg.force_sum,
-            all_reduce=cfg.requires_all_reduce,
-            reduce_unused=cfg.reduce_unused,
+            self.runtime, grads, self.state, self.comm, **self._reduce_settings()
         )
+
+    def _reduce_settings(self) -> dict[str, Any]:
+        """The core's reduction keywords from this group's settings (every reduction's)."""
+        cfg = self.config
+        return {
+            "replicate_comm": self.replicate_comm,
+            "divide_factor": cfg.divide_factor,
+            "force_sum": cfg.force_sum,
+            "all_reduce": cfg.requires_all_reduce,
+            "reduce_unused": cfg.reduce_unused,
+        }
 
     def join_reduce_bucket(self, bucket: ReduceBucket | None) -> None:
         """Reduce in ``bucket`` (a :class:`~.coalesced.ReduceBucket`) from now on, when
