@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -26,8 +27,10 @@ def run_local(
     127.0.0.1 and a free port. Unless ``OMP_NUM_THREADS`` is set, each rank gets an equal
     share of the CPU cores for torch's intra-op threads (at least one): with torch's default
     (every core per rank) the ranks' thread pools oversubscribe the cores and steps stall
-    (measured on 2 cores, 2 ranks, a small GPT: 40-600 ms per step instead of 40-60 ms). If any rank fails, or the whole run exceeds ``timeout_s``, every
-    rank is terminated and :class:`RuntimeError` carries the failing ranks' tracebacks.
+    (measured on 2 cores, 2 ranks, a small GPT: 40-600 ms per step instead of 40-60 ms). If any
+    rank fails (or dies without a result), or the whole run exceeds ``timeout_s``, every rank is
+    terminated and :class:`RuntimeError` carries the failing ranks' tracebacks. A port taken by
+    another process before rank 0 listens on it is retried with a new one (up to 3 times).
 
     Example:
         >>> def hello():  # doctest: +SKIP
@@ -35,9 +38,35 @@ def run_local(
         >>> run_local(hello, 2)  # doctest: +SKIP
         [0, 1]
     """
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _launch(fn, world_size, args, timeout_s)
+        except _PortTaken:
+            # The free port was taken between choosing it and rank 0 binding it (another
+            # process on the machine): choose another.
+            if attempt == _PORT_ATTEMPTS - 1:
+                raise RuntimeError(
+                    f"run_local: {_PORT_ATTEMPTS} free ports in a row were taken before rank 0 "
+                    "could listen on them; is something on this machine binding many ports?"
+                ) from None
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
+
+
+class _PortTaken(Exception):
+    """Rank 0 could not listen on the chosen port (EADDRINUSE)."""
+
+
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def _launch(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float) -> list[Any]:
+    port = _free_port()
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     procs = [
@@ -48,12 +77,21 @@ def run_local(
         p.start()
     done: dict[int, Any] = {}
     failed: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
     try:
         while len(done) + len(failed) < world_size and not failed:
-            rank, ok, value = results.get(timeout=timeout_s)
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                # A rank that died without reporting (killed, or a crash in C++) fails the run
+                # now, not after the timeout.
+                for r, p in enumerate(procs):
+                    if p.exitcode not in (None, 0) and r not in done:
+                        failed[r] = f"exited with code {p.exitcode} without a result"
+                if time.monotonic() > deadline:
+                    failed[-1] = f"timed out after {timeout_s} s"
+                continue
             (done if ok else failed)[rank] = value
-    except queue.Empty:
-        failed[-1] = f"timed out after {timeout_s} s"
     finally:
         for p in procs:
             p.join(timeout=0 if failed else 60)
@@ -61,6 +99,8 @@ def run_local(
                 p.terminate()
                 p.join(timeout=10)
     if failed:
+        if any("EADDRINUSE" in tb for tb in failed.values()):
+            raise _PortTaken()
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
         raise RuntimeError(f"run_local({getattr(fn, '__name__', fn)}) failed:\n{text}")
     return [done[r] for r in range(world_size)]
@@ -74,9 +114,13 @@ def _rank_main(
     )
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
-    )
+    try:
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
+        )
+    except BaseException:  # e.g. the port was taken: tell the parent, do not hang the others
+        out.put((rank, False, traceback.format_exc()))
+        return
     try:
         out.put((rank, True, fn(*args)))
     except BaseException:
