@@ -41,6 +41,12 @@ class Member(Protocol):
     runtime: DeviceRuntime
     reduce_chain: Any
 
+    @property
+    def is_unsharded(self) -> bool: ...
+
+    @property
+    def pending(self) -> T.PendingUnshard | None: ...
+
     def coalesce_gather(self) -> tuple[GatherSlot, ShardedState, int] | None: ...
 
     def start_unshard(self, version: int | None = None) -> None: ...
@@ -58,6 +64,8 @@ def start_together(groups: Sequence[Member]) -> None:
     joined: list[tuple[Member, tuple[GatherSlot, ShardedState, int]]] = []
     alone: list[Member] = []
     for g in groups:
+        if g.is_unsharded or g.pending is not None:
+            continue  # nothing to start (a stale one is dropped by its own wait_unshard)
         req = g.coalesce_gather()
         if req is None or (joined and _wire(req) != _wire(joined[0][1])):
             alone.append(g)  # alone now, or another wire dtype than the bucket's first
