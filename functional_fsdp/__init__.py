@@ -55,6 +55,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "ProcessGroupComm": (".shell", "ProcessGroupComm"),
     "summon_full_params": (".shell", "summon_full_params"),
     "keep_neighbour_copies": (".shell", "keep_neighbour_copies"),
+    "rebuild_on_survivors": (".shell", "rebuild_on_survivors"),
     "save_checkpoint": (".shell", "save_checkpoint"),
     "load_checkpoint": (".shell", "load_checkpoint"),
     "ChecksummingFileSystemWriter": (".shell", "ChecksummingFileSystemWriter"),

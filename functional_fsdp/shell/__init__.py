@@ -34,6 +34,7 @@ _EXPORTS: dict[str, str] = {
     "ProcessGroupComm": ".comm.process_group",
     "summon_full_params": ".io.summon",
     "keep_neighbour_copies": ".recovery.copies",
+    "rebuild_on_survivors": ".recovery.rebuild",
     "save_checkpoint": ".io.checkpoint",
     "load_checkpoint": ".io.checkpoint",
     "ChecksummingFileSystemWriter": ".io.checkpoint_files",

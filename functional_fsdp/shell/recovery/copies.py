@@ -38,7 +38,7 @@ from ...core.recovery import Redundancy, copy_holder, copy_source
 from ..comm.custom import base_comm
 from ..engine.group import ParamGroup
 
-__all__ = ["HeldCopy", "NeighbourCopies", "keep_neighbour_copies"]
+__all__ = ["HeldCopy", "NeighbourCopies", "keep_neighbour_copies", "model_groups"]
 
 
 @attrs.frozen(eq=False)
@@ -205,6 +205,11 @@ class NeighbourCopies:
         self._held, self._incoming = self._incoming, {}
         self.steps += 1
 
+    def last_complete(self) -> dict[str, HeldCopy]:
+        """The copies of the last exchange that completed, without waiting for the one in
+        flight (after a rank was lost, that one may never complete)."""
+        return dict(self._held)
+
     def held(self) -> dict[str, HeldCopy]:
         """Per group (by its module path), the neighbour's state after the last exchanged step
         (:meth:`wait` first)."""
@@ -226,16 +231,22 @@ def keep_neighbour_copies(
     Raises:
         StateError: not a sharded model, or HSDP.
     """
+    found = model_groups(model)
+    if not found:
+        raise StateError("keep_neighbour_copies: the model has no fully_shard groups")
+    groups, names = [g for g, _ in found], [n for _, n in found]
+    return NeighbourCopies(groups, names, optimizer, Redundancy() if policy is None else policy)
+
+
+def model_groups(model: torch.nn.Module) -> list[tuple[ParamGroup, str]]:
+    """The model's groups, each once, with its module path (``"(root)"`` for the root)."""
     states = [s for m in model.modules() if (s := getattr(m, "_ffsdp_state", None)) is not None]
     seen: set[int] = set()
-    groups, names = [], []
+    out = []
     paths = {id(m): p for p, m in model.named_modules()}
     for s in states:
         g = s.group
         if g is not None and id(g) not in seen:
             seen.add(id(g))
-            groups.append(g)
-            names.append(paths.get(id(s.module)) or "(root)")
-    if not groups:
-        raise StateError("keep_neighbour_copies: the model has no fully_shard groups")
-    return NeighbourCopies(groups, names, optimizer, Redundancy() if policy is None else policy)
+            out.append((g, paths.get(id(s.module)) or "(root)"))
+    return out
