@@ -30,7 +30,13 @@ from ..device.runtime import DeviceRuntime
 from . import ordering
 from .gather import GatherSlot, start_coalesced
 
-__all__ = ["Member", "ReduceBucket", "bucket_comm", "start_together"]
+__all__ = ["Chain", "Member", "ReduceBucket", "bucket_comm", "start_together"]
+
+
+class Chain(Protocol):
+    """The root's one reduction in flight (:class:`~.group.ReduceChain` is one)."""
+
+    def hand_over(self, *groups: Any) -> None: ...
 
 
 class Member(Protocol):
@@ -39,7 +45,9 @@ class Member(Protocol):
     name: str
     comm: Communicator
     runtime: DeviceRuntime
-    reduce_chain: Any
+
+    @property
+    def reduce_chain(self) -> Chain: ...
 
     @property
     def is_unsharded(self) -> bool: ...
