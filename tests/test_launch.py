@@ -67,3 +67,36 @@ def test_a_taken_port_is_retried_with_another(monkeypatch: pytest.MonkeyPatch) -
     finally:
         busy.close()
     assert not ports  # the busy port was tried first
+
+
+def test_the_main_job_survives_a_killed_rank(capfd: pytest.CaptureFixture[str]) -> None:
+    """``python -m functional_fsdp.train --kill-rank 1 --kill-at-step 3`` on 3 ranks: rank 1
+    is SIGKILLed in the forward of step 3; the two survivors rebuild from memory, redo step 3
+    and finish, and the summary says so."""
+    from functional_fsdp import train
+
+    argv = "--world-size 3 --kill-rank 1 --kill-at-step 3 --steps 5 --dim 32 --layers 2"
+    argv += " --vocab 128 --seq 16 --batch 2"
+    assert train.main(argv.split()) == 0
+    out = capfd.readouterr().out
+    assert "rank(s) [1] killed, finished on 2" in out
+    assert "lost rank(s) [1] in step 3: detected and rebuilt from memory" in out
+    assert "restarting from step 2 on 2 rank(s)" in out  # the interrupted step is redone
+    assert "5/5" in out
+
+
+def _die_on_rank_one() -> int:
+    import os
+    import signal
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return dist.get_rank()
+
+
+def test_a_survivable_run_reports_a_killed_rank_as_none() -> None:
+    from functional_fsdp.shell.launch import launcher_store
+
+    assert run_local(_die_on_rank_one, 2, timeout_s=120, survivable=True) == [0, None]
+    with pytest.raises(RuntimeError, match="survivable=True"):
+        launcher_store()

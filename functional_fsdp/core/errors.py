@@ -30,6 +30,7 @@ __all__ = [
     "TiedParameterError",
     "TiedPlacementError",
     "UncheckedCheckpointWarning",
+    "UnrecoverableLossError",
     "UnsupportedError",
     "UnsupportedPlacementError",
     "WholeMatrixError",
@@ -245,3 +246,10 @@ class ReproducibilityError(FSDPError, ValueError):
     virtual world size that is not a power of two, a data-parallel world size that does not
     divide it, a step that ran a different number of micro-batches than ``V / N``, or a
     feature whose sums the policy cannot order (e.g. compressed reduction)."""
+
+
+class UnrecoverableLossError(StateError):
+    """Ranks were lost that the survivors cannot rebuild from memory: two neighbours together
+    (each held the other's only copy), every rank, or a loss at a moment when no step is
+    restorable on every survivor. Raised on every survivor, before any collective of the new
+    world; the checkpoints on disk are untouched: resume from the last one."""

@@ -22,12 +22,15 @@ import attrs
 import torch
 
 from .comm import Communicator, check_comm
-from .errors import LayoutMismatchError, StateError
+from .errors import LayoutMismatchError, StateError, UnrecoverableLossError
 from .records import GroupLayout, ShardedState
 from .transitions import shard_tensors
 
 __all__ = [
     "Redundancy",
+    "Restorable",
+    "active_world_size",
+    "restart_step",
     "copy_holder",
     "copy_source",
     "recoverable",
@@ -84,6 +87,74 @@ def recoverable(world_size: int, lost: Sequence[int]) -> bool:
     return len(gone) < world_size and all(copy_holder(r, world_size) not in gone for r in gone)
 
 
+def _unrecoverable(world_size: int, lost: Sequence[int]) -> str:
+    return (
+        f"ranks {sorted(set(lost))} of {world_size} were lost together with the copies of "
+        "their shards (neighbours, or every rank): the model cannot be rebuilt from memory; "
+        "resume from the last checkpoint"
+    )
+
+
+@attrs.frozen
+class Restorable:
+    """What one survivor can restore after a loss, reported to the others through the store.
+
+    Attributes:
+        rank: its rank in the old world.
+        own: the steps (optimizer steps completed) at which it holds its own state: the live
+            one and the snapshot taken before the last step.
+        copy: the steps at which it holds a complete copy of its neighbour's state.
+    """
+
+    rank: int
+    own: tuple[int, ...]
+    copy: tuple[int, ...]
+
+
+def restart_step(reports: Sequence[Restorable], world_size: int) -> int:
+    """The step the survivors restart from: the latest one at which every survivor holds its
+    own state and, for every lost rank, its copy holder holds that rank's copy.
+
+    Survivors differ by at most one step (a loss after the last collective of a step: some
+    stepped, the others failed in the copies' exchange); every rank keeps its own state from
+    before its last step, so the latest step common to all is restorable. The step in flight
+    is abandoned and redone.
+
+    Raises:
+        UnrecoverableLossError: the lost ranks' copies were lost with them (two neighbours), or
+            no step is common to every survivor's own state and the lost ranks' copies.
+    """
+    alive = [r.rank for r in reports]
+    lost = [r for r in range(world_size) if r not in alive]
+    if not recoverable(world_size, lost):
+        raise UnrecoverableLossError(_unrecoverable(world_size, lost))
+    by_rank = {r.rank: r for r in reports}
+    common = set.intersection(*(set(r.own) for r in reports))
+    for d in lost:
+        common &= set(by_rank[copy_holder(d, world_size)].copy)
+    if not common:
+        raise UnrecoverableLossError(
+            f"ranks {lost} of {world_size} were lost at a moment when no step is restorable on "
+            f"every survivor (own states: { {r.rank: list(r.own) for r in reports} }, copies: "
+            f"{ {r.rank: list(r.copy) for r in reports} }); resume from the last checkpoint"
+        )
+    return max(common)
+
+
+def active_world_size(alive: int, virtual_world_size: int | None = None) -> int:
+    """How many of ``alive`` survivors train on: all of them, or with a
+    :class:`~.reproducible.ReproduciblePolicy` of ``virtual_world_size`` ``V`` the largest power
+    of two that divides ``V`` (the others become spares), so the run stays bit-identical."""
+    if alive < 1:
+        raise UnrecoverableLossError("no rank survived")
+    if virtual_world_size is None:
+        return alive
+    k = 1
+    while 2 * k <= alive and virtual_world_size % (2 * k) == 0:
+        k *= 2
+    return k
+
+
 def relayout(layout: GroupLayout, world_size: int) -> GroupLayout:
     """``layout`` for another world size (same parameters, dtypes and pytree)."""
     param_dtype = next(
@@ -125,11 +196,7 @@ def regroup(
     n = old.world_size
     alive = survivors(n, lost)
     if not recoverable(n, lost):
-        raise StateError(
-            f"ranks {sorted(set(lost))} of {n} were lost together with the copies of their "
-            "shards (neighbours): the group cannot be rebuilt from memory; resume from the last "
-            "checkpoint"
-        )
+        raise UnrecoverableLossError(_unrecoverable(n, lost))
     check_comm(comm, len(alive), "regroup")
     if alive[comm.rank] != own.rank:
         raise LayoutMismatchError(

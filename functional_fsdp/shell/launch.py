@@ -15,11 +15,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["run_local"]
+__all__ = ["launcher_store", "run_local"]
+
+_STORE: Any = None  # this rank's client of the launcher's store (survivable runs)
+
+
+def launcher_store() -> Any:
+    """The store the launcher hosts (in the parent process, so it outlives every rank), as
+    :func:`~functional_fsdp.rebuild_on_survivors` needs; only in a rank of
+    ``run_local(..., survivable=True)``. The default process group uses it under the prefix
+    ``epoch0/``."""
+    if _STORE is None:
+        raise RuntimeError(
+            "launcher_store(): this process is not a rank of run_local(..., survivable=True)"
+        )
+    return _STORE
 
 
 def run_local(
-    fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout_s: float = 3600.0
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout_s: float = 3600.0,
+    survivable: bool = False,
 ) -> list[Any]:
     """Spawn ``world_size`` processes, initialise gloo in each, return ``fn(*args)`` by rank.
 
@@ -32,6 +50,12 @@ def run_local(
     terminated and :class:`RuntimeError` carries the failing ranks' tracebacks. A port taken by
     another process before rank 0 listens on it is retried with a new one (up to 3 times).
 
+    With ``survivable=True`` the launcher hosts the ranks' store itself
+    (:func:`launcher_store`), so ranks may die and the others go on
+    (:func:`~functional_fsdp.rebuild_on_survivors`): a rank killed by a signal without a
+    result gets ``None`` in the returned list instead of failing the run (at least one rank
+    must return).
+
     Example:
         >>> def hello():  # doctest: +SKIP
         ...     return torch.distributed.get_rank()
@@ -40,7 +64,7 @@ def run_local(
     """
     for attempt in range(_PORT_ATTEMPTS):
         try:
-            return _launch(fn, world_size, args, timeout_s)
+            return _launch(fn, world_size, args, timeout_s, survivable)
         except _PortTaken:
             # The free port was taken between choosing it and rank 0 binding it (another
             # process on the machine): choose another.
@@ -65,12 +89,29 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _launch(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float) -> list[Any]:
+def _launch(
+    fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, survivable: bool
+) -> list[Any]:
     port = _free_port()
+    host = None
+    if survivable:
+        try:
+            host = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                None,
+                True,
+                timeout=datetime.timedelta(seconds=300),
+                wait_for_workers=False,
+            )
+        except RuntimeError as e:
+            if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
+                raise _PortTaken() from None
+            raise
     ctx = mp.get_context("spawn")
     results: Any = ctx.Queue()
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results))
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, survivable))
         for r in range(world_size)
     ]
     for p in procs:
@@ -79,15 +120,19 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: flo
     failed: dict[int, str] = {}
     deadline = time.monotonic() + timeout_s
     try:
-        while len(done) + len(failed) < world_size and not failed:
+        lost: set[int] = set()
+        while len(done) + len(failed) + len(lost) < world_size and not failed:
             try:
                 rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
                 # A rank that died without reporting (killed, or a crash in C++) fails the run
-                # now, not after the timeout.
+                # now, not after the timeout; in a survivable run a killed one is lost.
                 for r, p in enumerate(procs):
                     if p.exitcode not in (None, 0) and r not in done:
-                        failed[r] = f"exited with code {p.exitcode} without a result"
+                        if survivable and p.exitcode < 0:
+                            lost.add(r)
+                        else:
+                            failed[r] = f"exited with code {p.exitcode} without a result"
                 if time.monotonic() > deadline:
                     failed[-1] = f"timed out after {timeout_s} s"
                 continue
@@ -103,21 +148,40 @@ def _launch(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: flo
             raise _PortTaken()
         text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
         raise RuntimeError(f"run_local({getattr(fn, '__name__', fn)}) failed:\n{text}")
-    return [done[r] for r in range(world_size)]
+    if not done:
+        raise RuntimeError(f"run_local({getattr(fn, '__name__', fn)}): every rank was lost")
+    del host  # the store outlived every rank
+    return [done.get(r) for r in range(world_size)]
 
 
 def _rank_main(
-    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, out: Any
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    args: tuple,
+    out: Any,
+    survivable: bool = False,
 ) -> None:
+    global _STORE
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    timeout = datetime.timedelta(seconds=300)
     try:
-        dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=300)
-        )
+        if survivable:
+            _STORE = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore("epoch0/", _STORE),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     except BaseException:  # e.g. the port was taken: tell the parent, do not hang the others
         out.put((rank, False, traceback.format_exc()))
         return
@@ -126,4 +190,5 @@ def _rank_main(
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()

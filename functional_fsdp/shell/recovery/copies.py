@@ -24,6 +24,9 @@ the interrupted step. The spike that measured the gloo side is in the issue's no
 
 from __future__ import annotations
 
+import atexit
+import datetime
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from ...core.errors import StateError
 from ...core.records import GroupLayout, ShardedState
-from ...core.recovery import Redundancy, copy_holder, copy_source
+from ...core.recovery import Redundancy, Restorable, copy_holder, copy_source
 from ..comm.custom import base_comm
 from ..engine.group import ParamGroup
 
@@ -118,12 +121,21 @@ def _like_param(states: list[dict[str, Any]], locals_: list[torch.Tensor], key: 
 
 class NeighbourCopies:
     """The copies of one model's neighbour state, refreshed after every optimizer step
-    (:func:`keep_neighbour_copies` makes it).
+    (:func:`keep_neighbour_copies` makes it), and this rank's own state from before its last
+    step: what a survivor restores from when a rank is lost.
+
+    Around every ``optimizer.step()``: the step pre-hook completes the exchange in flight (the
+    neighbour's state after the previous step) and snapshots this rank's own state; the
+    post-hook counts the step and starts the next exchange (this rank's new state). So at any
+    moment a rank holds its own state at :attr:`done` (live) and ``done - 1`` (the snapshot),
+    and its neighbour's at ``done - 1`` or ``done``: whatever point of a step a rank is lost at,
+    a step exists that every survivor can restore (:func:`~functional_fsdp.core.recovery.restart_step`).
 
     Attributes:
         policy: the :class:`~functional_fsdp.core.recovery.Redundancy` policy.
         rank: this rank in the data-parallel group; ``source`` the rank whose copy it holds.
-        steps: how many steps' copies have been exchanged.
+        done: optimizer steps completed (counted from ``step`` given at construction).
+        held_step: the step of the neighbour's copy last completed.
         bytes_per_step: bytes this rank sends per step (one copy of its state).
     """
 
@@ -133,6 +145,7 @@ class NeighbourCopies:
         names: Sequence[str],
         optimizer: torch.optim.Optimizer,
         policy: Redundancy,
+        step: int = 0,
     ) -> None:
         self.policy = policy
         self._groups = list(groups)
@@ -149,32 +162,74 @@ class NeighbourCopies:
         self.rank, self.world_size = comm.rank, comm.world_size
         self.source = copy_source(self.rank, self.world_size)
         self._holder = copy_holder(self.rank, self.world_size)
-        self._plans: list[_GroupPlan] | None = None
-        self._works: list[Any] = []
+        self.done = step
+        self._recvs: list[Any] = []
+        self._sends: list[Any] = []
         self._incoming: dict[str, HeldCopy] = {}
+        self._incoming_step: int | None = None
+        self._arrived = False  # the exchange in flight is found complete (restorable())
         self._held: dict[str, HeldCopy] = {}
-        self.steps = 0
+        self.held_step: int | None = None
+        self._snapshot: dict[str, HeldCopy] = {}
+        self._snapshot_step: int | None = None
         self.bytes_per_step = 0
-        self._handle = optimizer.register_step_post_hook(self._after_step)
+        self._heartbeat = _Heartbeat(self.rank) if self.world_size > 1 else None
+        self._handles = [
+            optimizer.register_step_pre_hook(self._before_step),
+            optimizer.register_step_post_hook(self._after_step),
+        ]
+        # The copies of the state training starts from: a loss in the first step restores it.
+        self.start()
+        self.wait()
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps completed (:attr:`done`)."""
+        return self.done
 
     def remove(self) -> None:
         """Stop keeping copies (completes the exchange in flight)."""
         self.wait()
-        self._handle.remove()
+        for h in self._handles:
+            h.remove()
+        self.stop_heartbeat()
+
+    def stop_heartbeat(self) -> None:
+        """Stop this rank's heartbeat (its world is gone or left)."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+
+    def heartbeat(self, rank: int) -> int | None:
+        """``rank``'s heartbeat counter in the store (``None``: never beat): a rank whose counter
+        stops moving is dead."""
+        return None if self._heartbeat is None else self._heartbeat.read(rank)
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        del optimizer, args, kwargs
+        self.wait()  # the previous step's copies (sent during this step's forward)
+        if self.world_size == 1:
+            return
+        self._snapshot = {
+            name: _own(plan, self._snapshot.get(name))
+            for plan, name in zip(self._plans(), self._names)
+        }
+        self._snapshot_step = self.done
 
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del optimizer, args, kwargs
-        self.wait()  # the previous step's copies (sent during this step's forward)
+        self.done += 1
         self.start()
+
+    def _plans(self) -> list[_GroupPlan]:
+        # Rebuilt each time: the optimizer's state keys appear at its first step.
+        return [_GroupPlan(g, self.optimizer) for g in self._groups]
 
     def start(self) -> None:
         """Send this rank's state to its copy holder and post the receives of the neighbour's,
         straight into the copy's buffers (asynchronous: the messages travel while the next
-        forward runs)."""
+        forward runs; the next step's pre-hook completes them before the state changes)."""
         if self.world_size == 1:
             return
-        if self._plans is None:
-            self._plans = [_GroupPlan(g, self.optimizer) for g in self._groups]
         holder = dist.get_global_rank(self._pg, self._holder)
         source = dist.get_global_rank(self._pg, self.source)
         sends: list[dist.P2POp] = []
@@ -182,7 +237,7 @@ class NeighbourCopies:
         incoming, sent = {}, 0
         # The k-th message this rank sends is the k-th its holder receives (tag k): the
         # receiver's views follow the sender's order, shapes from the sender's rank.
-        for plan, name in zip(self._plans, self._names):
+        for plan, name in zip(self._plans(), self._names):
             copy, views = plan.receives(self.source)
             incoming[name] = copy
             for t in plan.sends():
@@ -190,20 +245,56 @@ class NeighbourCopies:
                 sent += t.numel() * t.element_size()
             for v in views:
                 recvs.append(dist.P2POp(dist.irecv, v, source, self._pg, len(recvs)))
-        ops = sends + recvs
-        self._works = dist.batch_isend_irecv(ops)
-        self._incoming = incoming
+        works = dist.batch_isend_irecv(sends + recvs)
+        self._sends, self._recvs = works[: len(sends)], works[len(sends) :]
+        self._incoming, self._incoming_step = incoming, self.done
+        self._arrived = False
         self.bytes_per_step = sent
 
     def wait(self) -> None:
         """Complete the exchange in flight (if any) and keep the received copies."""
-        if not self._works:
+        if self.world_size == 1:
+            self.held_step = self.done  # nothing to copy: nobody else to lose
             return
-        works, self._works = self._works, []
+        if not self._recvs and not self._sends:
+            return
+        works, self._sends, self._recvs = self._sends + self._recvs, [], []
         for w in works:
             w.wait()
         self._held, self._incoming = self._incoming, {}
-        self.steps += 1
+        self.held_step, self._incoming_step = self._incoming_step, None
+
+    def restorable(self) -> Restorable:
+        """What this rank can restore now (for the survivors' agreement), without waiting:
+        its own state at :attr:`done` and at its snapshot's step, its neighbour's at the last
+        completed exchange, and at the one in flight if all its messages already arrived."""
+        own = (self.done,) + (() if self._snapshot_step is None else (self._snapshot_step,))
+        copy: tuple[int, ...] = () if self.held_step is None else (self.held_step,)
+        if self._incoming_step is not None and self._recvs and _all_arrived(self._recvs):
+            copy += (self._incoming_step,)
+            self._arrived = True
+        return Restorable(self.rank, tuple(sorted(set(own))), tuple(sorted(set(copy))))
+
+    def own_at(self, step: int) -> dict[str, HeldCopy]:
+        """Per group, this rank's own state after ``step`` optimizer steps (live or snapshot)."""
+        if step == self.done:
+            return {name: _own(plan, None) for plan, name in zip(self._plans(), self._names)}
+        if step == self._snapshot_step:
+            return dict(self._snapshot)
+        raise StateError(
+            f"rank {self.rank} holds its own state at steps {self.restorable().own}, not {step}"
+        )
+
+    def copy_at(self, step: int) -> dict[str, HeldCopy]:
+        """Per group, the neighbour's state after ``step`` steps (a completed exchange)."""
+        if step == self.held_step:
+            return dict(self._held)
+        if step == self._incoming_step and self._arrived:
+            return dict(self._incoming)
+        raise StateError(
+            f"rank {self.rank} holds its neighbour's state at steps {self.restorable().copy}, "
+            f"not {step}"
+        )
 
     def last_complete(self) -> dict[str, HeldCopy]:
         """The copies of the last exchange that completed, without waiting for the one in
@@ -217,8 +308,86 @@ class NeighbourCopies:
         return dict(self._held)
 
 
+class _Heartbeat:
+    """A daemon thread that bumps ``ffsdp/heartbeat/<rank>`` in the default group's store every
+    ``interval_s``: how survivors tell a dead peer (its counter stops) from a slow one without
+    waiting out a timeout."""
+
+    def __init__(self, rank: int, interval_s: float = 0.1) -> None:
+        self._store = dist.distributed_c10d._get_default_store()
+        self._key = f"ffsdp/heartbeat/{rank}"
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ffsdp-heartbeat", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)  # never inside a store call while the interpreter ends
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._store.add(self._key, 1)
+            except Exception:  # the store is gone: nothing left to tell
+                return
+            self._stop.wait(self._interval_s)
+
+    def read(self, rank: int) -> int | None:
+        key = f"ffsdp/heartbeat/{rank}"
+        if not self._store.check([key]):
+            return None
+        return int(self._store.add(key, 0))
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _all_arrived(works: list[Any]) -> bool:
+    """Whether every receive completed without error. Waits at most 50 ms each: gloo reports a
+    point-to-point message complete only once waited for, and a message that arrived before its
+    sender died is complete; a sender that died mid-message fails the wait."""
+    for w in works:
+        try:
+            w.wait(timeout=datetime.timedelta(milliseconds=50))
+        except Exception:  # not arrived, or the sender died mid-message
+            return False
+    return True
+
+
+def _own(plan: _GroupPlan, reuse: HeldCopy | None) -> HeldCopy:
+    """This rank's state of ``plan``'s group as a :class:`HeldCopy` (copied, into ``reuse``'s
+    buffers when they fit)."""
+    g = plan.group
+    states = [plan.optimizer.state.get(p, {}) for p in g.params]
+    keys_fit = reuse is not None and (
+        sorted(reuse.moments) == plan.moment_keys and sorted(reuse.scalars) == plan.scalar_keys
+    )
+    with torch.no_grad():
+        if reuse is not None and keys_fit:
+            params, moments = reuse.params, reuse.moments
+            params.flat.copy_(g.state.flat)
+        else:
+            params = ShardedState(g.layout, g.state.rank, g.state.flat.clone())
+            moments = {
+                k: ShardedState(g.layout, g.state.rank, torch.zeros_like(g.state.flat))
+                for k in plan.moment_keys
+            }
+        for k, m in moments.items():
+            dst = [v for v in m.locals() if v.numel()]
+            src = [_local(s[k]) for s in states if _local(s[k]).numel()]
+            if dst:
+                torch._foreach_copy_(dst, src)
+        scalars = {
+            k: torch.cat([s[k].detach().float().reshape(1) for s in states])
+            for k in plan.scalar_keys
+        }
+    return HeldCopy(params, moments, scalars)
+
+
 def keep_neighbour_copies(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, policy: Redundancy | None = None
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    policy: Redundancy | None = None,
+    *,
+    step: int = 0,
 ) -> NeighbourCopies:
     """Keep, on every rank, a copy of its neighbour's sharded parameters and optimizer state,
     refreshed after every ``optimizer.step()`` (see the module docstring).
@@ -227,6 +396,10 @@ def keep_neighbour_copies(
         model: the root module (after ``fully_shard``).
         optimizer: its optimizer (its state is copied after each step).
         policy: :class:`~functional_fsdp.core.recovery.Redundancy` (default: one copy).
+        step: optimizer steps already completed (after a recovery: the step restarted from).
+
+    Every rank must call it together: it exchanges the first copies (of the state training
+    starts from) before returning.
 
     Raises:
         StateError: not a sharded model, or HSDP.
@@ -235,7 +408,9 @@ def keep_neighbour_copies(
     if not found:
         raise StateError("keep_neighbour_copies: the model has no fully_shard groups")
     groups, names = [g for g, _ in found], [n for _, n in found]
-    return NeighbourCopies(groups, names, optimizer, Redundancy() if policy is None else policy)
+    return NeighbourCopies(
+        groups, names, optimizer, Redundancy() if policy is None else policy, step
+    )
 
 
 def model_groups(model: torch.nn.Module) -> list[tuple[ParamGroup, str]]:
