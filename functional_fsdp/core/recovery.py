@@ -7,7 +7,9 @@ which no two are neighbours can be rebuilt from memory (:func:`recoverable`).
 :func:`regroup` re-shards one group from ``N`` ranks to the survivors: every survivor sends its
 own packed shards and the copy it holds in one all-gather over the survivors' communicator, each
 rank rebuilds the full tensors from the ``N`` old shards (a lost rank's from its neighbour's
-copy) and cuts its shards of the new layout with :func:`~.transitions.shard_tensors`. Nothing
+copy) and cuts its shards of the new layout with :func:`~.transitions.shard_tensors`.
+:func:`restart_step` chooses the step the survivors restart from (each reports what it can
+restore: :class:`Restorable`), :func:`active_world_size` how many of them train on. Nothing
 here knows about processes or failures: the shell detects them, builds the survivors'
 communicator, and calls this per group (parameters and optimizer state alike). The property that
 the result equals sharding the same full tensors for the new world directly is checked in the

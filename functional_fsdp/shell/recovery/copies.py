@@ -9,17 +9,20 @@ are (no packing copy), to the rank that keeps its copy
 (:func:`~functional_fsdp.core.recovery.copy_holder`), while it receives its neighbour's
 (:func:`~functional_fsdp.core.recovery.copy_source`) straight into the copy's packed buffers
 (each shard's place in the group's layout, so the copy is a record at once). The sizes follow
-from the layout (the neighbour's local shapes), so no size handshake is needed. The messages travel while the next forward runs; :meth:`NeighbourCopies.wait` (called
-at the next step's post-hook, or by the user) completes them.
+from the layout (the neighbour's local shapes), so no size handshake is needed. The messages
+travel while the next forward runs; :meth:`NeighbourCopies.wait` (called in the next step's
+pre-hook, before the state they were sent from changes, or by the user) completes them.
 
 The copies are records: :meth:`NeighbourCopies.held` returns, per group, the neighbour's
 parameters and moment buffers as :class:`~functional_fsdp.core.records.ShardedState` s of the
 neighbour's rank — what :func:`~functional_fsdp.core.recovery.regroup` takes to re-shard the
 group onto the survivors when that neighbour is lost.
 
-Not here yet (issue "Lose a rank, lose no step"): detecting a dead peer during a step, building
-the survivors' process group, re-sharding every group and the optimizer in place, and redoing
-the interrupted step. The spike that measured the gloo side is in the issue's note.
+Around every step the pre-hook also snapshots this rank's own state (before it changes), so a
+loss at any point of a step leaves a step every survivor can restore
+(:func:`~functional_fsdp.core.recovery.restart_step`); a daemon thread bumps this rank's
+heartbeat in the store so survivors tell a dead peer from a slow one. Rebuilding on the
+survivors is :mod:`.rebuild`.
 """
 
 from __future__ import annotations
