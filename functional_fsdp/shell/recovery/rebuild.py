@@ -6,8 +6,9 @@ survivor blocked on another survivor is woken when that one drops the old group)
 point of the step the rank was lost at (forward, backward, a reduce-scatter, the optimizer
 step, the copies' exchange, between steps):
 
-1. the old default process group is dropped (this wakes any survivor still blocked on this
-   one);
+1. the step in flight is abandoned on the old model (each group's ``reset_iter_state``, local:
+   no collective) and the old default process group is dropped (this wakes any survivor still
+   blocked on this one);
 2. the survivors agree through the launcher's store on who is alive (each posts what it can
    restore: :class:`~functional_fsdp.core.recovery.Restorable`; the first to decide writes the
    list with ``compare_set``, so every survivor reads one answer), and on the step to restart
@@ -156,6 +157,8 @@ def rebuild_on_survivors(
     t0 = time.monotonic()
     rank, ws = copies.rank, copies.world_size
     report = copies.restorable()
+    for g, _ in model_groups(model):  # abandon the step in flight, locally (no collective)
+        g.reset_iter_state()
     if dist.is_initialized():
         dist.destroy_process_group()  # closes our sockets: survivors blocked on us fail now
     reports = _agree(store, epoch, report, copies, wait_s)
