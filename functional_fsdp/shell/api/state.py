@@ -19,7 +19,7 @@ from ...core.records import MixedPrecisionPolicy
 from ..comm.scoped import introduce, resync
 from ..engine.coalesced import start_together
 from ..engine.group import ParamGroup, ReduceChain
-from ..engine.group_common import traced
+from ..engine.group_common import profiled, traced
 from ..engine.tied import LentCall, TiedUse
 from . import buckets, functional_call
 
@@ -166,7 +166,7 @@ class FSDPState:
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Unshard this group (consuming a prefetch), prefetch the next, register full params."""
         label = "root_pre_forward" if self.root is None or self.is_root else "pre_forward"
-        with torch.profiler.record_function(f"FSDP::{label} ({self.name})"):
+        with profiled(lambda: f"FSDP::{label} ({self.name})"):
             return self._pre_forward(module, args, kwargs)
 
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -379,7 +379,7 @@ class FSDPState:
 
     def _final_callback(self) -> None:
         """Root: finish every group (reductions, groups that got no gradient) and go idle."""
-        with torch.profiler.record_function("FSDP::root_post_backward_callback"):
+        with profiled("FSDP::root_post_backward_callback"):
             self._finish_backward()
 
     def _finish_backward(self) -> None:

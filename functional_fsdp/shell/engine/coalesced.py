@@ -29,6 +29,7 @@ from ..comm.scoped import ScopedComm
 from ..device.runtime import DeviceRuntime
 from . import ordering
 from .gather import GatherSlot, start_coalesced
+from .group_common import profiled
 
 __all__ = ["Chain", "Member", "ReduceBucket", "bucket_comm", "start_together"]
 
@@ -82,7 +83,7 @@ def start_together(groups: Sequence[Member]) -> None:
     if len(joined) == 1:
         alone.insert(0, joined.pop()[0])
     if joined:
-        with torch.profiler.record_function(f"FSDP::all_gather ({joined[0][0].name})"):
+        with profiled(lambda: f"FSDP::all_gather ({joined[0][0].name})"):
             start_coalesced(
                 [r[0] for _, r in joined],
                 [r[1] for _, r in joined],
@@ -134,7 +135,7 @@ class ReduceBucket:
         self._inputs.clear()
         first = posted[0]
         first.reduce_chain.hand_over(*posted)
-        with torch.profiler.record_function(f"FSDP::post_backward_reduce ({first.name})"):
+        with profiled(lambda: f"FSDP::post_backward_reduce ({first.name})"):
             pendings = ordering.issue_reduce_coalesced_after_compute(
                 first.runtime, rins, bucket_comm(posted), alloc=first.alloc_advised
             )

@@ -49,6 +49,7 @@ from ..device.runtime import DeviceRuntime
 from . import ordering
 from .gather import GatherSlot
 from .group import ParamGroup
+from .group_common import profiled
 from .param import ShardedParam
 from .reproducible import TreeReductions
 
@@ -236,7 +237,7 @@ class GatherCall:
     def gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """All-gather the (unwrapped) sources into this call's slot; return the full params."""
         refuse_functional_sources(self.group)
-        with torch.profiler.record_function(f"FSDP::all_gather ({self.group.name})"):
+        with profiled(lambda: f"FSDP::all_gather ({self.group.name})"):
             return self._gather(sources)
 
     def _gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:

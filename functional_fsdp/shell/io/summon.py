@@ -38,6 +38,7 @@ from ...core import transitions as T
 from ...core.errors import PolicyError, StateError
 from ...core.records import GroupLayout, ShardedState, UnshardedState
 from ..engine.group import ParamGroup, TrainingState
+from ..engine.group_common import profiled
 
 __all__ = ["summon_full_params"]
 
@@ -281,7 +282,7 @@ class _Summoned:
         return attrs.evolve(g.state, layout=self.layout, flat=flat)
 
     def open(self) -> None:
-        with torch.profiler.record_function(f"FSDP::summon_full_params ({self.group.name})"):
+        with profiled(lambda: f"FSDP::summon_full_params ({self.group.name})"):
             self._open()
 
     def _open(self) -> None:
