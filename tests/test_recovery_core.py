@@ -183,3 +183,18 @@ def test_restart_step_is_the_latest_common_step_and_names_the_impossible() -> No
     assert [active_world_size(a, 4) for a in (1, 2, 3, 4, 5)] == [1, 2, 2, 4, 4]
     assert active_world_size(3, 8) == 2 and active_world_size(3) == 3
     assert active_world_size(7, 2) == 2
+
+
+def test_regrouping_mixed_dtypes_with_odd_and_empty_buffers() -> None:
+    """Found by the property above: a mixed-dtype group's packed bytes (here 0, or an odd
+    count) must start at an aligned offset in the all-gathered rows, or the bf16 view fails."""
+    for tree in (
+        {"w": torch.tensor([]), "b": torch.tensor([], dtype=torch.bfloat16)},
+        {"w": torch.ones(3, dtype=torch.bfloat16), "m": torch.ones(1, dtype=torch.uint8)},
+    ):
+        old = [shard(tree, world_size=3, rank=r) for r in range(3)]
+        got = SimulatedWorld(2).run(
+            lambda c, old=old: regroup(old[(0, 2)[c.rank]], old[(2, 1)[c.rank]], [1], c)
+        )
+        for j, new in enumerate(got):
+            assert torch.equal(new.flat, shard(tree, world_size=2, rank=j).flat)

@@ -229,18 +229,21 @@ def _all_old_shards(
             f"rank {own.rank} holds a copy of rank {copy.rank}'s shards; it keeps "
             f"{copy_source(own.rank, n)}'s, in the same layout"
         )
-    send = torch.zeros(2 * total, dtype=own.flat.dtype, device=own.flat.device)
+    # Each flat starts at a multiple of 16 bytes, as a packed buffer of mixed dtypes needs
+    # (its regions are aligned relative to its start).
+    stride = max(16, -(-total // 16) * 16)
+    send = torch.zeros(2 * stride, dtype=own.flat.dtype, device=own.flat.device)
     send[:total] = own.flat
-    send[total:] = copy.flat
-    recv = send.new_empty(len(alive) * 2 * total)
+    send[stride : stride + total] = copy.flat
+    recv = send.new_empty(len(alive) * 2 * stride)
     if len(alive) == 1:
         recv.copy_(send)
     else:
         comm.all_gather(recv, send).wait()
-    rows = recv.view(len(alive), 2, total)
     flats: dict[int, torch.Tensor] = {}
     for j, r in enumerate(alive):
-        flats[r] = rows[j, 0]
+        flats[r] = recv.narrow(0, 2 * j * stride, total)
         src = copy_source(r, n)
-        flats.setdefault(src, rows[j, 1])  # the copy, unless the rank itself survived
+        # the copy, unless the rank itself survived
+        flats.setdefault(src, recv.narrow(0, (2 * j + 1) * stride, total))
     return [ShardedState(old, r, flats[r]) for r in range(n)]
