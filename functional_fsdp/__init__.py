@@ -56,6 +56,8 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "summon_full_params": (".shell", "summon_full_params"),
     "keep_neighbour_copies": (".shell", "keep_neighbour_copies"),
     "rebuild_on_survivors": (".shell", "rebuild_on_survivors"),
+    "release_spares": (".shell", "release_spares"),
+    "stand_by": (".shell", "stand_by"),
     "save_checkpoint": (".shell", "save_checkpoint"),
     "load_checkpoint": (".shell", "load_checkpoint"),
     "ChecksummingFileSystemWriter": (".shell", "ChecksummingFileSystemWriter"),

@@ -158,6 +158,12 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "repro": True,
         "kills": [(1, 0, "reduce_scatter"), (3, 1, "backward")],
     },
+    "standby": {  # the spare of the first loss stands by and takes the second's place
+        "steps": 5,
+        "repro": True,
+        "standby": True,
+        "kills": [(1, 2, "optimizer"), (3, 0, "backward")],
+    },
     "reproducible_forward": {
         "steps": 5,
         "repro": True,
@@ -211,10 +217,12 @@ def _run(old_rank: int, port: int, scenario: str) -> dict[str, Any]:
                     epoch=epoch,
                     wait_s=1.0,
                     reproducible=policy,
+                    standby=spec.get("standby", False),
+                    standby_timeout_s=60,
                 )
             except UnrecoverableLossError as lost:
                 return {"unrecoverable": str(lost), "resumed": _resume(saved, port, old_rank)}
-            epoch += 1
+            epoch = rb.epoch + 1
             if rb.spare:
                 return {"spare": True, "message": rb.message}
             model, opt, copies = rb.model, rb.optimizer, rb.copies
@@ -236,9 +244,16 @@ def _run(old_rank: int, port: int, scenario: str) -> dict[str, Any]:
                 }
             )
     final = _gather_state(model, opt)
+    if rank == 0:
+        from functional_fsdp import release_spares
+
+        release_spares(store)
     ref_model, ref_opt = _build(policy, sharded=policy is not None)
-    for s in range(spec["steps"]):  # the failure-free run, here (1 rank, or 1 process)
-        _train_step(ref_model, ref_opt, s, 0, 1, policy)
+    for s in range(spec["steps"]):  # the failure-free run, here (this world, or 1 process)
+        if policy is None:
+            _train_step(ref_model, ref_opt, s, 0, 1, None)
+        else:
+            _train_step(ref_model, ref_opt, s, rank, ws, policy)
     ref = _gather_state(ref_model, ref_opt) if policy else _plain_state(ref_model, ref_opt)
     return {"events": events, "final": final, "reference": ref, "ws": ws}
 
@@ -378,3 +393,18 @@ def test_two_neighbours_lost_together_end_in_a_named_error(tmp_path: Any) -> Non
     for res in results.values():
         assert "ranks [1, 2] of 4 were lost together" in res["unrecoverable"]
         assert res["resumed"]["equal"]
+
+
+def test_a_standing_by_spare_takes_the_next_lost_ranks_place(tmp_path: Any) -> None:
+    """4 ranks, ``ReproduciblePolicy(4)``: rank 2 dies in ``optimizer.step()``, 2 of the 3
+    survivors train on and rank 3 stands by (``standby=True``); rank 0 dies in backward and the
+    spare takes its place: the world stays at 2 ranks (nothing re-sharded, the copy rank 1 held
+    of rank 0 sent to the spare), and both finish bit-identical to a failure-free run."""
+    results = _world("standby", tmp_path)
+    _report(results)
+    assert sorted(results) == [1, 3]
+    for res in results.values():
+        assert res["ws"] == 2
+        for k, want in res["reference"].items():
+            assert (res["final"][k] == want).all(), k
+    assert any("spare(s) took their places" in e["message"] for e in results[1]["events"])

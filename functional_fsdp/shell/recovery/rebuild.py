@@ -27,6 +27,12 @@ step, the copies' exchange, between steps):
 5. the caller's ``build()`` makes the model and optimizer afresh on the new world, the
    re-sharded values are written into them, and new neighbour copies start.
 
+Spares: with ``standby=True`` a survivor that does not train on waits (:func:`stand_by`) in
+the store; at the next loss the survivors claim it for the lost rank's place (in the agreement,
+step 2), the lost rank's copy holder sends it the copy, and the world keeps its size: nothing is
+re-sharded, and under the reproducible policy the run stays bit-identical. At the end of
+training :func:`release_spares` lets waiting spares go.
+
 The caller continues from :attr:`Rebuilt.step` (the steps completed: the interrupted one is
 redone, with the same global batch split over the survivors).
 """
@@ -45,12 +51,20 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ...core.errors import StateError
-from ...core.recovery import Restorable, active_world_size, regroup, restart_step
+from ...core.records import ShardedState
+from ...core.recovery import (
+    Redundancy,
+    Restorable,
+    active_world_size,
+    copy_holder,
+    regroup,
+    restart_step,
+)
 from ...core.reproducible import ReproduciblePolicy
 from ..comm.process_group import ProcessGroupComm
 from .copies import NeighbourCopies, keep_neighbour_copies, model_groups
 
-__all__ = ["Rebuilt", "rebuild_on_survivors"]
+__all__ = ["Rebuilt", "rebuild_on_survivors", "release_spares", "stand_by"]
 
 log = logging.getLogger("functional_fsdp.recovery")
 
@@ -69,6 +83,8 @@ class Rebuilt:
         step: the optimizer steps completed in the state restored: continue from there.
         seconds: the time the rebuild took on this rank.
         message: the log line describing what happened.
+        epoch: the recovery epoch that made this world (the next recovery's is ``epoch + 1``;
+            a spare learns it when it is claimed).
     """
 
     model: torch.nn.Module | None
@@ -81,6 +97,7 @@ class Rebuilt:
     step: int
     seconds: float
     message: str
+    epoch: int = 0
 
     @property
     def spare(self) -> bool:
@@ -90,9 +107,10 @@ class Rebuilt:
 
 def _agree(
     store: Any, epoch: int, report: Restorable, copies: NeighbourCopies, wait_s: float
-) -> list[Restorable]:
+) -> tuple[list[Restorable], dict[int, int]]:
     """What each survivor can restore, for the same survivors on every one of them (the first
-    decision wins). A rank that has not reported is dead once its heartbeat stood still for
+    decision wins), and the waiting spares that take the lost ranks' places (lost rank ->
+    spare id; empty unless there is one for each). A rank that has not reported is dead once its heartbeat stood still for
     ``_DEAD_AFTER_S``; nobody waits longer than ``wait_s``."""
     prefix = f"ffsdp/recover/{epoch}/"
     world_size = copies.world_size
@@ -111,13 +129,39 @@ def _agree(
             break
         time.sleep(0.01)
     copies.stop_heartbeat()
-    mine = ",".join(str(r) for r in range(world_size) if store.check([keys[r]]))
-    decided = store.compare_set(f"{prefix}decision", "", mine).decode()
+    alive = [r for r in range(world_size) if store.check([keys[r]])]
+    lost = [r for r in range(world_size) if r not in alive]
+    mine = json.dumps([alive, _claim_spares(store, lost)])
+    decided, spares = json.loads(store.compare_set(f"{prefix}decision", "", mine).decode())
     out = []
-    for r in (int(x) for x in decided.split(",")):
+    for r in decided:
         own, copy = json.loads(store.get(keys[r]).decode())
         out.append(Restorable(r, tuple(own), tuple(copy)))
-    return out
+    return out, {int(d): int(i) for d, i in spares.items()}
+
+
+def _claim_spares(store: Any, lost: list[int]) -> dict[int, int]:
+    """Waiting spares for the lost slots (lost rank -> spare id), claimed for good; none unless
+    there are enough for every lost rank."""
+    count = int(store.add(_SPARES, 0))
+    waiting = [i for i in range(1, count + 1) if store.get(f"{_SPARES}/{i}") == b"waiting"]
+    if not lost or len(waiting) < len(lost):
+        return {}
+    claimed: dict[int, int] = {}
+    for d in lost:
+        while waiting:
+            i = waiting.pop(0)
+            if store.compare_set(f"{_SPARES}/{i}", "waiting", "claimed") == b"claimed":
+                claimed[d] = i
+                break
+    if len(claimed) < len(lost):  # another recovery took some: give them back
+        for i in claimed.values():
+            store.set(f"{_SPARES}/{i}", "waiting")
+        return {}
+    return claimed
+
+
+_SPARES = "ffsdp/spares"
 
 
 _DEAD_AFTER_S = 0.5  # five heartbeats missed
@@ -133,6 +177,8 @@ def rebuild_on_survivors(
     epoch: int = 1,
     wait_s: float = 2.0,
     reproducible: ReproduciblePolicy | None = None,
+    standby: bool = False,
+    standby_timeout_s: float | None = None,
 ) -> Rebuilt:
     """Continue on the survivors of a lost rank from memory (see the module docstring).
 
@@ -149,6 +195,11 @@ def rebuild_on_survivors(
             heartbeat stopped is declared lost sooner).
         reproducible: the run's :class:`ReproduciblePolicy`, if any (chooses how many survivors
             train on).
+        standby: a survivor that does not train on (a spare) waits in this call
+            (:func:`stand_by`) until a later loss needs it, then returns as a training rank in
+            the lost rank's place (the world keeps its size, so nothing is re-sharded), or
+            until :func:`release_spares` (``rb.spare`` then). Without it a spare returns at once.
+        standby_timeout_s: the longest a spare waits (``None``: until needed or released).
 
     Raises:
         UnrecoverableLossError: the lost ranks' copies were lost with them (two neighbours).
@@ -161,7 +212,7 @@ def rebuild_on_survivors(
         g.reset_iter_state()
     if dist.is_initialized():
         dist.destroy_process_group()  # closes our sockets: survivors blocked on us fail now
-    reports = _agree(store, epoch, report, copies, wait_s)
+    reports, spares = _agree(store, epoch, report, copies, wait_s)
     alive = tuple(r.rank for r in reports)
     lost = tuple(r for r in range(ws) if r not in alive)
     if rank not in alive:
@@ -172,9 +223,32 @@ def rebuild_on_survivors(
             "(see the original exception)"
         )
     step = restart_step(reports, ws)  # raises UnrecoverableLossError on every survivor alike
-    active = active_world_size(
-        len(alive), None if reproducible is None else reproducible.virtual_world_size
+    if spares:
+        return _replace(model, copies, store, build, epoch, step, spares, alive, t0)
+    virtual = None if reproducible is None else reproducible.virtual_world_size
+    return _shrink(
+        model, copies, store, build, epoch, step, alive, virtual, standby, standby_timeout_s, t0
     )
+
+
+def _shrink(
+    model: torch.nn.Module,
+    copies: NeighbourCopies,
+    store: Any,
+    build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]],
+    epoch: int,
+    step: int,
+    alive: tuple[int, ...],
+    virtual: int | None,
+    standby: bool,
+    standby_timeout_s: float | None,
+    t0: float,
+) -> Rebuilt:
+    """The survivors train on without the lost ranks: every group re-sharded onto the
+    ``active_world_size`` first of them; the others are spares (they stand by, or leave)."""
+    rank, ws = copies.rank, copies.world_size
+    lost = tuple(r for r in range(ws) if r not in alive)
+    active = active_world_size(len(alive), virtual)
     new_rank = alive.index(rank)
     _init_world(store, f"ffsdp-epoch{epoch}/", new_rank, len(alive))
     rebuilt = _regroup_all(model, copies, step, lost, active)
@@ -185,10 +259,13 @@ def rebuild_on_survivors(
     )
     if new_rank >= active:
         dist.destroy_process_group()
+        if standby:
+            log.warning(f"recovery: {what}; old rank {rank} stands by")
+            return stand_by(store, build, copies.policy, timeout_s=standby_timeout_s)
         message = f"recovery: {what}; old rank {rank} is a spare and leaves training"
         log.warning(message)
         seconds = time.monotonic() - t0
-        return Rebuilt(None, None, None, -1, active, alive, lost, step, seconds, message)
+        return Rebuilt(None, None, None, -1, active, alive, lost, step, seconds, message, epoch)
     if active < len(alive):
         dist.destroy_process_group()
         _init_world(store, f"ffsdp-epoch{epoch}/active/", new_rank, active)
@@ -199,7 +276,7 @@ def rebuild_on_survivors(
     message = f"recovery: {what}; rebuilt in {seconds:.2f} s"
     log.warning(message)
     return Rebuilt(
-        new_model, new_opt, new_copies, new_rank, active, alive, lost, step, seconds, message
+        new_model, new_opt, new_copies, new_rank, active, alive, lost, step, seconds, message, epoch
     )
 
 
@@ -219,6 +296,125 @@ def _regroup_all(
         }
         rebuilt.append((name, params, moved, own[name].scalars))
     return rebuilt
+
+
+def _replace(
+    model: torch.nn.Module,
+    copies: NeighbourCopies,
+    store: Any,
+    build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]],
+    epoch: int,
+    step: int,
+    spares: dict[int, int],
+    alive: tuple[int, ...],
+    t0: float,
+) -> Rebuilt:
+    """Spares take the lost ranks' places: the world keeps its size and layout, so nothing is
+    re-sharded; each lost rank's copy holder sends the copy to the spare in its place."""
+    rank, ws = copies.rank, copies.world_size
+    lost = tuple(sorted(spares))
+    for d, i in spares.items():  # every survivor writes the same claim
+        claim = {"epoch": epoch, "slot": d, "world_size": ws, "step": step, "lost": list(lost)}
+        store.set(f"{_SPARES}/{i}/claim", json.dumps(claim))
+    own = copies.own_at(step)
+    sends = {d: copies.copy_at(step) for d in lost if copy_holder(d, ws) == rank}
+    for held in sends.values():
+        keys = {n: [sorted(c.moments), sorted(c.scalars)] for n, c in held.items()}
+        store.set(f"ffsdp/recover/{epoch}/keys", json.dumps(keys))
+    _init_world(store, f"ffsdp-epoch{epoch}/", rank, ws)
+    new_model, new_opt = build()
+    _write(new_model, new_opt, [(n, o.params, o.moments, o.scalars) for n, o in own.items()])
+    for d, held in sends.items():
+        parts = [
+            (held[n].params, held[n].moments, held[n].scalars) for _, n in model_groups(new_model)
+        ]
+        _wait_all([dist.isend(t, d, tag=k) for k, t in enumerate(_copy_tensors(parts))])
+    new_copies = keep_neighbour_copies(new_model, new_opt, copies.policy, step=step)
+    seconds = time.monotonic() - t0
+    message = (
+        f"recovery: lost rank(s) {list(lost)} of {ws}; spare(s) took their places, restarting "
+        f"from step {step} on {ws} rank(s); rebuilt in {seconds:.2f} s"
+    )
+    log.warning(message)
+    return Rebuilt(
+        new_model, new_opt, new_copies, rank, ws, alive, lost, step, seconds, message, epoch
+    )
+
+
+def _wait_all(works: list[Any]) -> None:
+    for w in works:
+        w.wait()
+
+
+def _copy_tensors(parts: list[tuple[Any, dict[str, Any], dict[str, torch.Tensor]]]) -> list:
+    """The tensors of copies (per group: params, moments, scalars) in the order they travel."""
+    out = []
+    for params, moments, scalars in parts:
+        out.append(params.flat)
+        out.extend(moments[k].flat for k in sorted(moments))
+        out.extend(scalars[k] for k in sorted(scalars))
+    return out
+
+
+def stand_by(
+    store: Any,
+    build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]],
+    policy: Redundancy | None = None,
+    *,
+    timeout_s: float | None = None,
+) -> Rebuilt:
+    """Wait as a spare until a loss needs this process, then take the lost rank's place: join
+    the new world in its rank, build the model and receive the lost rank's state (the copy its
+    holder kept). Returns a training :class:`Rebuilt`, or one with ``spare`` true when
+    :func:`release_spares` let it go.
+
+    Raises:
+        StateError: ``timeout_s`` passed without a claim.
+    """
+    t0 = time.monotonic()
+    sid = int(store.add(_SPARES, 1))
+    store.set(f"{_SPARES}/{sid}", "waiting")
+    key = f"{_SPARES}/{sid}/claim"
+    while not store.check([key]):
+        late = timeout_s is not None and time.monotonic() - t0 > timeout_s
+        if late and store.compare_set(f"{_SPARES}/{sid}", "waiting", "gone") == b"gone":
+            raise StateError(f"spare {sid} waited {timeout_s:g} s and was not needed")
+        time.sleep(0.05)
+    claim = json.loads(store.get(key).decode())
+    if claim == "leave":
+        return Rebuilt(None, None, None, -1, 0, (), (), -1, 0.0, "released")
+    slot, ws, step, epoch = claim["slot"], claim["world_size"], claim["step"], claim["epoch"]
+    _init_world(store, f"ffsdp-epoch{epoch}/", slot, ws)
+    model, opt = build()
+    keys = json.loads(store.get(f"ffsdp/recover/{epoch}/keys").decode())
+    received = []
+    for g, name in model_groups(model):
+        flat, lay, r = g.state.flat, g.layout, g.state.rank
+        moment_keys, scalar_keys = keys[name]
+        moments = {k: ShardedState(lay, r, torch.zeros_like(flat)) for k in moment_keys}
+        scalars = {k: torch.empty(len(lay)) for k in scalar_keys}
+        received.append((name, ShardedState(lay, r, torch.empty_like(flat)), moments, scalars))
+    holder = copy_holder(slot, ws)
+    tensors = _copy_tensors([(p, m, sc) for _, p, m, sc in received])
+    _wait_all([dist.irecv(t, holder, tag=k) for k, t in enumerate(tensors)])
+    _write(model, opt, received)
+    copies = keep_neighbour_copies(model, opt, policy, step=step)
+    seconds = time.monotonic() - t0
+    message = f"recovery: a spare took lost rank {slot}'s place, restarting from step {step}"
+    log.warning(message)
+    lost = tuple(claim["lost"])
+    return Rebuilt(model, opt, copies, slot, ws, (), lost, step, seconds, message, epoch)
+
+
+def release_spares(store: Any) -> int:
+    """Let every waiting spare go (at the end of training): their :func:`stand_by` returns
+    with ``spare`` true. Returns how many were released."""
+    released = 0
+    for i in range(1, int(store.add(_SPARES, 0)) + 1):
+        if store.compare_set(f"{_SPARES}/{i}", "waiting", "released") == b"released":
+            store.set(f"{_SPARES}/{i}/claim", json.dumps("leave"))
+            released += 1
+    return released
 
 
 def _init_world(store: Any, prefix: str, rank: int, world_size: int) -> None:
