@@ -162,12 +162,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "steps": 5,
         "repro": True,
         "standby": True,
-        "kills": [(1, 2, "optimizer"), (3, 0, "backward")],
-    },
-    "reproducible_forward": {
-        "steps": 5,
-        "repro": True,
-        "kills": [(1, 3, "forward"), (2, 0, "forward")],
+        "kills": [(1, 2, "forward"), (3, 0, "backward")],
     },
     # killed by the test, by pid, together, once every rank completed step 2
     "neighbours": {"steps": 4, "repro": False, "kills": [(2, 1, "test"), (2, 2, "test")]},
@@ -366,7 +361,6 @@ def test_three_losses_in_forward_backward_and_reduce_scatter(tmp_path: Any) -> N
     [
         ("reproducible", 3, 0),  # inside optimizer.step(), then between steps
         ("reproducible_comm", 3, 2),  # after posting the gradients' reduction, in backward
-        ("reproducible_forward", 2, 1),  # in the forward, twice
     ],
 )
 def test_reproducible_run_that_lost_ranks_ends_bit_identical(
@@ -396,7 +390,7 @@ def test_two_neighbours_lost_together_end_in_a_named_error(tmp_path: Any) -> Non
 
 
 def test_a_standing_by_spare_takes_the_next_lost_ranks_place(tmp_path: Any) -> None:
-    """4 ranks, ``ReproduciblePolicy(4)``: rank 2 dies in ``optimizer.step()``, 2 of the 3
+    """4 ranks, ``ReproduciblePolicy(4)``: rank 2 dies in the forward, 2 of the 3
     survivors train on and rank 3 stands by (``standby=True``); rank 0 dies in backward and the
     spare takes its place: the world stays at 2 ranks (nothing re-sharded, the copy rank 1 held
     of rank 0 sent to the spare), and both finish bit-identical to a failure-free run."""
