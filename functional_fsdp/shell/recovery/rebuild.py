@@ -223,29 +223,36 @@ def rebuild_on_survivors(
             "(see the original exception)"
         )
     step = restart_step(reports, ws)  # raises UnrecoverableLossError on every survivor alike
+    ctx = _Recovery(model, copies, store, build, epoch, step, alive, t0)
     if spares:
-        return _replace(model, copies, store, build, epoch, step, spares, alive, t0)
+        return _replace(ctx, spares)
     virtual = None if reproducible is None else reproducible.virtual_world_size
-    return _shrink(
-        model, copies, store, build, epoch, step, alive, virtual, standby, standby_timeout_s, t0
-    )
+    return _shrink(ctx, virtual, standby, standby_timeout_s)
+
+
+@attrs.frozen(eq=False)
+class _Recovery:
+    """What both ways of going on (:func:`_shrink`, :func:`_replace`) start from: the old
+    model and its copies, the store, the caller's ``build``, the epoch, the agreed restart step
+    and survivors, and the time the recovery began."""
+
+    model: torch.nn.Module
+    copies: NeighbourCopies
+    store: Any
+    build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]]
+    epoch: int
+    step: int
+    alive: tuple[int, ...]
+    t0: float
 
 
 def _shrink(
-    model: torch.nn.Module,
-    copies: NeighbourCopies,
-    store: Any,
-    build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]],
-    epoch: int,
-    step: int,
-    alive: tuple[int, ...],
-    virtual: int | None,
-    standby: bool,
-    standby_timeout_s: float | None,
-    t0: float,
+    ctx: _Recovery, virtual: int | None, standby: bool, standby_timeout_s: float | None
 ) -> Rebuilt:
     """The survivors train on without the lost ranks: every group re-sharded onto the
     ``active_world_size`` first of them; the others are spares (they stand by, or leave)."""
+    model, copies, store, build, epoch = ctx.model, ctx.copies, ctx.store, ctx.build, ctx.epoch
+    step, alive, t0 = ctx.step, ctx.alive, ctx.t0
     rank, ws = copies.rank, copies.world_size
     lost = tuple(r for r in range(ws) if r not in alive)
     active = active_world_size(len(alive), virtual)
@@ -298,19 +305,11 @@ def _regroup_all(
     return rebuilt
 
 
-def _replace(
-    model: torch.nn.Module,
-    copies: NeighbourCopies,
-    store: Any,
-    build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]],
-    epoch: int,
-    step: int,
-    spares: dict[int, int],
-    alive: tuple[int, ...],
-    t0: float,
-) -> Rebuilt:
+def _replace(ctx: _Recovery, spares: dict[int, int]) -> Rebuilt:
     """Spares take the lost ranks' places: the world keeps its size and layout, so nothing is
     re-sharded; each lost rank's copy holder sends the copy to the spare in its place."""
+    copies, store, build, epoch = ctx.copies, ctx.store, ctx.build, ctx.epoch
+    step, alive, t0 = ctx.step, ctx.alive, ctx.t0
     rank, ws = copies.rank, copies.world_size
     lost = tuple(sorted(spares))
     for d, i in spares.items():  # every survivor writes the same claim
