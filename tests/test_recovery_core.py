@@ -198,3 +198,19 @@ def test_regrouping_mixed_dtypes_with_odd_and_empty_buffers() -> None:
         )
         for j, new in enumerate(got):
             assert torch.equal(new.flat, shard(tree, world_size=2, rank=j).flat)
+
+
+def test_pack_locals_into_a_donated_state_equals_a_fresh_pack() -> None:
+    """The recovery snapshots repack the optimizer's moments every step into the buffers of
+    the previous snapshot (``donate=``): the same bytes as a fresh pack, in the same buffer."""
+    from functional_fsdp.core.transitions import pack_locals
+
+    tree = {"w": torch.arange(10.0).reshape(5, 2), "b": torch.arange(3.0)}
+    lay = shard(tree, world_size=2, rank=1).layout
+    first = pack_locals([torch.ones(1), torch.ones(2, 2)], lay, 1)  # "b", "w" (sorted)
+    locals_ = [torch.full((1,), 3.0), torch.full((2, 2), 7.0)]
+    again = pack_locals(locals_, lay, 1, donate=first)
+    assert again.flat is first.flat
+    assert torch.equal(again.flat, pack_locals(locals_, lay, 1).flat)
+    with pytest.raises(LayoutMismatchError, match="donated state"):
+        pack_locals(locals_, lay, 0, donate=first)

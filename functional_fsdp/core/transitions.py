@@ -159,24 +159,39 @@ def pack_locals(
     rank: int,
     *,
     device: torch.device | None = None,
+    donate: ShardedState | None = None,
 ) -> ShardedState:
     """A sharded state from this rank's unpadded shards (``None``: zeros); padding is zero.
 
     The one place a :class:`ShardedState` is packed from local tensors (sharding, re-adopting
-    parameters after ``_apply``, ``functional_call`` substitutes, gradient cotangents): one
-    zeroed buffer and one ``foreach`` copy, cast to each parameter's dtype. No communication.
+    parameters after ``_apply``, ``functional_call`` substitutes, gradient cotangents, the
+    recovery snapshots): one zeroed buffer and one ``foreach`` copy, cast to each parameter's
+    dtype. No communication.
+
+    Args:
+        donate: an earlier result of this function for the same layout and rank, whose buffer
+            is overwritten and returned instead of a new one (its padding is still zero; the
+            caller gives it up). Shards passed as ``None`` keep their old values there.
 
     Raises:
-        LayoutMismatchError: a shard's shape is not this rank's local shape in ``layout``.
+        LayoutMismatchError: a shard's shape is not this rank's local shape in ``layout``, or
+            ``donate`` has another layout or rank.
     """
     if len(locals_) != len(layout):
         raise LayoutMismatchError(
             f"pack_locals: {len(locals_)} shards for a layout of {len(layout)} parameters"
         )
-    given = [t for t in locals_ if t is not None]
-    dev = device or (given[0].device if given else torch.device("cpu"))
-    flat = torch.zeros(layout.storage.total, dtype=layout.storage_dtype, device=dev)
-    state = ShardedState(layout, rank, flat)
+    if donate is not None:
+        if donate.layout != layout or donate.rank != rank:
+            raise LayoutMismatchError(
+                "pack_locals: the donated state has another layout or rank than the one packed"
+            )
+        state = donate
+    else:
+        given = [t for t in locals_ if t is not None]
+        dev = device or (given[0].device if given else torch.device("cpu"))
+        flat = torch.zeros(layout.storage.total, dtype=layout.storage_dtype, device=dev)
+        state = ShardedState(layout, rank, flat)
     dst, src = [], []
     for i, t in enumerate(locals_):
         if t is None:

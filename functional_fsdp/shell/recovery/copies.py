@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from ...core.errors import StateError
 from ...core.records import GroupLayout, ShardedState
 from ...core.recovery import Redundancy, Restorable, copy_holder, copy_source
+from ...core.transitions import pack_locals
 from ..comm.custom import base_comm
 from ..engine.group import ParamGroup
 
@@ -93,9 +94,15 @@ class _GroupPlan:
         states = [self.optimizer.state.get(p, {}) for p in g.params]
         for k in self.moment_keys:
             out.extend(_local(s[k]).contiguous() for s in states if _local(s[k]).numel())
-        for k in self.scalar_keys:
-            out.append(torch.cat([s[k].detach().float().reshape(1) for s in states]))
+        out.extend(self.scalars(states).values())
         return out
+
+    def scalars(self, states: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        """The scalar state (e.g. Adam's ``step``), one float per parameter, per key."""
+        return {
+            k: torch.cat([s[k].detach().float().reshape(1) for s in states])
+            for k in self.scalar_keys
+        }
 
     def receives(self, source: int) -> tuple[HeldCopy, list[torch.Tensor]]:
         """The neighbour's copy to be (its records, zero padded) and the views the messages
@@ -170,7 +177,7 @@ class NeighbourCopies:
         self._sends: list[Any] = []
         self._incoming: dict[str, HeldCopy] = {}
         self._incoming_step: int | None = None
-        self._arrived = False  # the exchange in flight is found complete (restorable())
+        self._arrived = False  # the exchange in flight was found complete (_incoming_arrived)
         self._held: dict[str, HeldCopy] = {}
         self.held_step: int | None = None
         self._snapshot: dict[str, HeldCopy] = {}
@@ -273,10 +280,16 @@ class NeighbourCopies:
         completed exchange, and at the one in flight if all its messages already arrived."""
         own = (self.done,) + (() if self._snapshot_step is None else (self._snapshot_step,))
         copy: tuple[int, ...] = () if self.held_step is None else (self.held_step,)
-        if self._incoming_step is not None and self._recvs and _all_arrived(self._recvs):
+        if self._incoming_arrived():
+            assert self._incoming_step is not None
             copy += (self._incoming_step,)
-            self._arrived = True
         return Restorable(self.rank, tuple(sorted(set(own))), tuple(sorted(set(copy))))
+
+    def _incoming_arrived(self) -> bool:
+        """Whether the exchange in flight fully arrived (checked once: see :func:`_all_arrived`)."""
+        if not self._arrived and self._incoming_step is not None and self._recvs:
+            self._arrived = _all_arrived(self._recvs)
+        return self._arrived
 
     def own_at(self, step: int) -> dict[str, HeldCopy]:
         """Per group, this rank's own state after ``step`` optimizer steps (live or snapshot)."""
@@ -292,7 +305,7 @@ class NeighbourCopies:
         """Per group, the neighbour's state after ``step`` steps (a completed exchange)."""
         if step == self.held_step:
             return dict(self._held)
-        if step == self._incoming_step and self._arrived:
+        if step == self._incoming_step and self._incoming_arrived():
             return dict(self._incoming)
         raise StateError(
             f"rank {self.rank} holds its neighbour's state at steps {self.restorable().copy}, "
@@ -357,32 +370,26 @@ def _all_arrived(works: list[Any]) -> bool:
 
 def _own(plan: _GroupPlan, reuse: HeldCopy | None) -> HeldCopy:
     """This rank's state of ``plan``'s group as a :class:`HeldCopy` (copied, into ``reuse``'s
-    buffers when they fit)."""
+    buffers, donated, when they fit)."""
     g = plan.group
     states = [plan.optimizer.state.get(p, {}) for p in g.params]
-    keys_fit = reuse is not None and (
-        sorted(reuse.moments) == plan.moment_keys and sorted(reuse.scalars) == plan.scalar_keys
-    )
+    fits = reuse is not None and sorted(reuse.moments) == plan.moment_keys
     with torch.no_grad():
-        if reuse is not None and keys_fit:
-            params, moments = reuse.params, reuse.moments
+        if reuse is not None and fits:
+            params = reuse.params
             params.flat.copy_(g.state.flat)
         else:
             params = ShardedState(g.layout, g.state.rank, g.state.flat.clone())
-            moments = {
-                k: ShardedState(g.layout, g.state.rank, torch.zeros_like(g.state.flat))
-                for k in plan.moment_keys
-            }
-        for k, m in moments.items():
-            dst = [v for v in m.locals() if v.numel()]
-            src = [_local(s[k]) for s in states if _local(s[k]).numel()]
-            if dst:
-                torch._foreach_copy_(dst, src)
-        scalars = {
-            k: torch.cat([s[k].detach().float().reshape(1) for s in states])
-            for k in plan.scalar_keys
+        moments = {
+            k: pack_locals(
+                [_local(s[k]) for s in states],
+                g.layout,
+                g.state.rank,
+                donate=reuse.moments[k] if reuse is not None and fits else None,
+            )
+            for k in plan.moment_keys
         }
-    return HeldCopy(params, moments, scalars)
+    return HeldCopy(params, moments, plan.scalars(states))
 
 
 def keep_neighbour_copies(
