@@ -62,7 +62,7 @@ from ...core.recovery import (
 )
 from ...core.reproducible import ReproduciblePolicy
 from ..comm.process_group import ProcessGroupComm
-from .copies import NeighbourCopies, keep_neighbour_copies, model_groups
+from .copies import HeldCopy, NeighbourCopies, _local, keep_neighbour_copies, model_groups
 
 __all__ = ["Rebuilt", "rebuild_on_survivors", "release_spares", "stand_by"]
 
@@ -289,19 +289,21 @@ def _shrink(
 
 def _regroup_all(
     model: torch.nn.Module, copies: NeighbourCopies, step: int, lost: tuple[int, ...], active: int
-) -> list[tuple[str, Any, dict[str, Any], dict[str, torch.Tensor]]]:
+) -> dict[str, HeldCopy]:
     """Every group's parameters and moments at ``step``, re-sharded onto the ``active`` first
-    survivors (the new default world): ``(path, params, moments, scalars)`` per group."""
+    survivors (the new default world), by group path (empty on a spare)."""
     own, held = copies.own_at(step), copies.copy_at(step)
     comm = ProcessGroupComm()
-    rebuilt = []
-    for _, name in model_groups(model):
+    rebuilt = {}
+    for _, name in model_groups(model):  # every survivor joins every regroup (collectives)
         params = regroup(own[name].params, held[name].params, lost, comm, active=active)
         moved = {
             k: regroup(own[name].moments[k], held[name].moments[k], lost, comm, active=active)
             for k in own[name].moments
         }
-        rebuilt.append((name, params, moved, own[name].scalars))
+        if params is not None:
+            moments = cast(dict[str, ShardedState], moved)
+            rebuilt[name] = HeldCopy(params, moments, own[name].scalars)
     return rebuilt
 
 
@@ -322,11 +324,9 @@ def _replace(ctx: _Recovery, spares: dict[int, int]) -> Rebuilt:
         store.set(f"ffsdp/recover/{epoch}/keys", json.dumps(keys))
     _init_world(store, f"ffsdp-epoch{epoch}/", rank, ws)
     new_model, new_opt = build()
-    _write(new_model, new_opt, [(n, o.params, o.moments, o.scalars) for n, o in own.items()])
+    _write(new_model, new_opt, own)
     for d, held in sends.items():
-        parts = [
-            (held[n].params, held[n].moments, held[n].scalars) for _, n in model_groups(new_model)
-        ]
+        parts = [held[n] for _, n in model_groups(new_model)]
         _wait_all([dist.isend(t, d, tag=k) for k, t in enumerate(_copy_tensors(parts))])
     new_copies = keep_neighbour_copies(new_model, new_opt, copies.policy, step=step)
     seconds = time.monotonic() - t0
@@ -345,13 +345,13 @@ def _wait_all(works: list[Any]) -> None:
         w.wait()
 
 
-def _copy_tensors(parts: list[tuple[Any, dict[str, Any], dict[str, torch.Tensor]]]) -> list:
+def _copy_tensors(parts: list[HeldCopy]) -> list[torch.Tensor]:
     """The tensors of copies (per group: params, moments, scalars) in the order they travel."""
     out = []
-    for params, moments, scalars in parts:
-        out.append(params.flat)
-        out.extend(moments[k].flat for k in sorted(moments))
-        out.extend(scalars[k] for k in sorted(scalars))
+    for c in parts:
+        out.append(c.params.flat)
+        out.extend(c.moments[k].flat for k in sorted(c.moments))
+        out.extend(c.scalars[k] for k in sorted(c.scalars))
     return out
 
 
@@ -386,15 +386,15 @@ def stand_by(
     _init_world(store, f"ffsdp-epoch{epoch}/", slot, ws)
     model, opt = build()
     keys = json.loads(store.get(f"ffsdp/recover/{epoch}/keys").decode())
-    received = []
+    received = {}
     for g, name in model_groups(model):
         flat, lay, r = g.state.flat, g.layout, g.state.rank
         moment_keys, scalar_keys = keys[name]
         moments = {k: ShardedState(lay, r, torch.zeros_like(flat)) for k in moment_keys}
         scalars = {k: torch.empty(len(lay)) for k in scalar_keys}
-        received.append((name, ShardedState(lay, r, torch.empty_like(flat)), moments, scalars))
+        received[name] = HeldCopy(ShardedState(lay, r, torch.empty_like(flat)), moments, scalars)
     holder = copy_holder(slot, ws)
-    tensors = _copy_tensors([(p, m, sc) for _, p, m, sc in received])
+    tensors = _copy_tensors([received[n] for _, n in model_groups(model)])
     _wait_all([dist.irecv(t, holder, tag=k) for k, t in enumerate(tensors)])
     _write(model, opt, received)
     copies = keep_neighbour_copies(model, opt, policy, step=step)
@@ -425,13 +425,14 @@ def _init_world(store: Any, prefix: str, rank: int, world_size: int) -> None:
 def _write(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    rebuilt: list[tuple[str, Any, dict[str, Any], dict[str, torch.Tensor]]],
+    states: dict[str, HeldCopy],
 ) -> None:
-    """The re-sharded values into the new model's parameters and optimizer state."""
+    """This rank's state (re-sharded, restored or received), by group path, into the new
+    model's parameters and optimizer state."""
     by_name = {name: g for g, name in model_groups(model)}
     with torch.no_grad():
-        for name, params, moved, scalars in rebuilt:
-            g = by_name[name]
+        for name, c in states.items():
+            g, params, moved, scalars = by_name[name], c.params, c.moments, c.scalars
             for i, param in enumerate(g.params):
                 p = cast(DTensor, param)
                 _local(p).copy_(params.local(i))
@@ -447,7 +448,3 @@ def _write(
                         stride=p.stride(),
                     )
                 optimizer.state[p] = state
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
