@@ -64,6 +64,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "SafeFileSystemReader": (".shell", "SafeFileSystemReader"),
     "SafeLoadPlanner": (".shell", "SafeLoadPlanner"),
     "run_local": (".shell.launch", "run_local"),
+    "set_local_optimizer_step": (".shell", "set_local_optimizer_step"),
     # the functional API and the optimizers
     "functional": (".functional", None),
     "optim": (".optim", None),

@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "share_comm_ctx": ".api.module",
     "DeferredReductions": ".engine.functional_path",
     "TreeReductions": ".engine.reproducible",
+    "set_local_optimizer_step": ".engine.local_step",
     "ProcessGroupComm": ".comm.process_group",
     "summon_full_params": ".io.summon",
     "keep_neighbour_copies": ".recovery.copies",

@@ -26,9 +26,11 @@ from ...core.reproducible import ReproduciblePolicy
 from ...core.transitions import shard_tensors
 from ..comm.process_group import ProcessGroupComm
 from ..comm.scoped import scoped
+from ..engine import local_step
 from ..engine.autograd import explain_forward_ad_on_dtensor
 from ..engine.config import GroupConfig
 from ..engine.group import ParamGroup, TrainingState, layout_for
+from ..engine.reproducible import check_no_partial_trees
 from ..engine.tied import TiedUse
 from ..io.reload import readopt_after_load
 from ..parallel.tensor_parallel import (
@@ -197,7 +199,8 @@ def _attach(
 ) -> FSDPState:
     """Give each module its FSDP state, forward hooks, state-dict hooks and FSDP class, and
     the parameters of other groups it uses (``borrowed``, tied across groups); the first
-    module's state."""
+    module's state. The first call installs the optimizer's local-shard step (local_step.py)."""
+    local_step.install(check_no_partial_trees)
     state = FSDPState(modules[0], group, mp, name)
     state.user_reshard_after_forward = reshard_after_forward
     for i, m in enumerate(modules):
