@@ -15,10 +15,15 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import random_like
 from hypothesis import given
 from hypothesis import strategies as st
+from strategies import param_trees, world_sizes
 
-from functional_fsdp.core.coalesce import plan_buckets
+from functional_fsdp.core.coalesce import issue_reduce_coalesced, plan_buckets
+from functional_fsdp.core.reduction import reduce_input
+from functional_fsdp.core.transitions import shard
+from functional_fsdp.testing import SimulatedWorld
 
 CFG = dict(vocab=64, dim=16, n_layers=6, n_heads=2, seq=8)
 STEPS = 3
@@ -278,3 +283,33 @@ def test_bucket_bytes_is_validated() -> None:
 
     with pytest.raises(PolicyError, match="bucket_bytes"):
         fully_shard(torch.nn.Linear(2, 2), bucket_bytes=-1)
+
+
+@given(
+    trees=st.lists(param_trees(dtypes=[torch.float32], max_leaves=3), min_size=1, max_size=3),
+    ws=world_sizes(),
+    seed=st.integers(0, 2**16),
+)
+def test_members_packed_into_one_send_buffer_reduce_the_same(
+    trees: list[Any], ws: int, seed: int
+) -> None:
+    """Members packing into their columns of one bucket buffer (``pack_grads(out=...)``) send
+    that buffer without the concatenating copy, and reduce to the same bits."""
+    sizes = [shard(t, world_size=ws, rank=0).layout.shard_numel for t in trees]
+    grads = [[random_like(t, seed + 7 * r + m) for m, t in enumerate(trees)] for r in range(ws)]
+
+    def rank(c: Any, gs: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+        states = [shard(t, world_size=ws, rank=c.rank) for t in trees]
+        alone = [reduce_input(g, s, c) for g, s in zip(gs, states)]
+        buf = torch.empty(ws, sum(sizes))
+        cols = [buf.narrow(1, sum(sizes[:i]), n) for i, n in enumerate(sizes)]
+        joined = [reduce_input(g, s, c, out=o) for g, s, o in zip(gs, states, cols)]
+        a = issue_reduce_coalesced(alone, c, async_op=False)
+        b = issue_reduce_coalesced(joined, c, async_op=False)
+        sent_buffer = b[0].input is not None and b[0].input.data_ptr() == buf.data_ptr()
+        return [p.output for p in a], [p.output for p in b], sent_buffer
+
+    for outs_alone, outs_joined, sent_buffer in SimulatedWorld(ws).run(rank, grads):
+        assert sent_buffer or ws == 1 or sum(sizes) == 0
+        for x, y in zip(outs_alone, outs_joined):
+            assert torch.equal(x, y)

@@ -248,8 +248,10 @@ def issue_reduce_coalesced(
     sizes = [r.packed.numel() // ws for r in rins if r.packed is not None]
     total = sum(sizes)
     device = rins[0].device
-    send = torch.cat([r.packed.view(ws, -1) for r in rins if r.packed is not None], dim=1)
-    send = send.view(-1)
+    cols = [r.packed.view(ws, -1) for r in rins if r.packed is not None]
+    send = _columns_buffer(cols, total)
+    if send is None:
+        send = torch.cat(cols, dim=1).view(-1)
     out = (alloc or _empty)(total, send.dtype, device)
     work = comm.reduce_scatter(out, send, op=ops.pop(), async_op=async_op)
     shared = CoalescedWork(work)
@@ -269,6 +271,33 @@ def issue_reduce_coalesced(
             )
         )
     return pendings
+
+
+def _columns_buffer(cols: Sequence[torch.Tensor], total: int) -> torch.Tensor | None:
+    """The ``(ws, total)`` buffer that ``cols`` tile side by side, flat, when the members
+    packed into their columns of one send buffer (``pack_grads(out=...)``): the reduce-scatter
+    then sends it as it is, without a concatenating copy. ``None`` otherwise."""
+    cols = [c for c in cols if c.numel() > 0]  # empty members take no columns
+    if not cols:
+        return None
+    first = cols[0]
+    storage = first.untyped_storage()
+    off = first.storage_offset()
+    for c in cols:
+        if (
+            c.untyped_storage().data_ptr() != storage.data_ptr()
+            or c.dtype != first.dtype
+            or c.stride() != (total, 1)
+            or c.storage_offset() != off
+        ):
+            return None
+        off += c.shape[1]
+    if off != first.storage_offset() + total:
+        return None
+    base = first.as_strided((first.shape[0] * total,), (1,), first.storage_offset())
+    if (base.storage_offset() + base.numel()) * base.element_size() > storage.nbytes():
+        return None
+    return base
 
 
 def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

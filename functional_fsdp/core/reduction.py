@@ -75,11 +75,17 @@ def _grad_list(grads: Any, layout: GroupLayout) -> list[torch.Tensor | None]:
 
 
 def pack_grads(
-    grads: Sequence[torch.Tensor | None], layout: GroupLayout, *, device: torch.device | None = None
+    grads: Sequence[torch.Tensor | None],
+    layout: GroupLayout,
+    *,
+    device: torch.device | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce-scatter input: grads cast to the reduce dtype, padded, packed as ``(ws, S)``.
 
-    Missing gradients pack as zeros.
+    Missing gradients pack as zeros. ``out``: a ``(ws, S)`` tensor of the reduce dtype to pack
+    into (*donated*: written in place), e.g. this group's columns of a bucket's send buffer;
+    the result is then ``out`` itself (flat only when ``out`` is contiguous).
     """
     layout.check_full(grads, what="reduce_grad")
     dtype = layout.grad_reduce_dtype()
@@ -90,12 +96,21 @@ def pack_grads(
     total = layout.shard_numel
     # torch._chunk_cat rejects empty tensors: zero-size gradients take the general path.
     fast = bool(present) and len(present) == len(grads) and all(g.numel() > 0 for g in present)
+    if out is not None and (tuple(out.shape) != (ws, total) or out.dtype != dtype):
+        raise StateError(
+            f"pack_grads: out must be ({ws}, {total}) of {dtype}, got {tuple(out.shape)} of "
+            f"{out.dtype}"
+        )
     if fast and all(d == 0 for d in layout.shard_dims):
         cast = [g if g.dtype == dtype else g.to(dtype) for g in present]
-        out = torch.empty(ws, total, dtype=dtype, device=dev)
+        if out is None:
+            out = torch.empty(ws, total, dtype=dtype, device=dev)
         torch._chunk_cat(cast, dim=0, num_chunks=ws, out=out)
-        return out.view(-1)
-    out = torch.zeros(ws, total, dtype=dtype, device=dev)
+        return _flat_if_contiguous(out)
+    if out is None:
+        out = torch.zeros(ws, total, dtype=dtype, device=dev)
+    else:
+        out.zero_()
     off = 0
     for i, g in enumerate(grads):
         n = numels[i]
@@ -107,7 +122,11 @@ def pack_grads(
             for r in range(ws):
                 out[r, off : off + n].copy_(chunks[r].reshape(-1))
         off += n
-    return out.view(-1)
+    return _flat_if_contiguous(out)
+
+
+def _flat_if_contiguous(out: torch.Tensor) -> torch.Tensor:
+    return out.view(-1) if out.is_contiguous() else out
 
 
 @attrs.frozen(eq=False)
@@ -195,10 +214,12 @@ def reduce_input(
     all_reduce: bool = True,
     reduce_unused: bool = False,
     compression: GradCompression | None = None,
+    out: torch.Tensor | None = None,
 ) -> ReduceInput:
     """The first half of :func:`begin_reduce`: check, choose the path, and pack the gradients
     (cast to the reduce dtype, padded, pre-divided) unless the pieces path sends them as they
-    are. No collective is issued."""
+    are. No collective is issued. ``out``: where to pack (:func:`pack_grads`; a bucket's
+    columns), unused on the pieces path."""
     if compression is not None and not isinstance(compression, GradCompression):
         raise StateError(
             f"compression must be a GradCompression or None, got {type(compression).__name__}"
@@ -233,7 +254,7 @@ def reduce_input(
         and factors.pre in (None, 1)
         and factors.premul is None
     )
-    packed = None if pieces else _pack_input(glist, lay, factors, device, compression)
+    packed = None if pieces else _pack_input(glist, lay, factors, device, compression, out)
     return ReduceInput(
         sharded,
         tuple(glist),
@@ -293,10 +314,11 @@ def _pack_input(
     factors: L.DivideFactors,
     device: torch.device,
     compression: GradCompression | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The packed reduce-scatter input: the gradients packed, in fp32 for a compressed
-    reduction, pre-divided."""
-    inp = pack_grads(glist, lay, device=device)
+    """The packed reduce-scatter input: the gradients packed (into ``out`` when given), in fp32
+    for a compressed reduction, pre-divided."""
+    inp = pack_grads(glist, lay, device=device, out=None if compression is not None else out)
     if compression is not None and lay.world_size > 1 and inp.dtype != torch.float32:
         inp = inp.float()
     if factors.pre is not None and factors.pre != 1:

@@ -46,6 +46,8 @@ class Member(Protocol):
     name: str
     comm: Communicator
     runtime: DeviceRuntime
+    state: ShardedState
+    device: torch.device
 
     @property
     def reduce_chain(self) -> Chain: ...
@@ -113,11 +115,29 @@ class ReduceBucket:
         members: the groups, in backward order (the last one's post-backward issues).
     """
 
-    __slots__ = ("_inputs", "members")
+    __slots__ = ("_inputs", "_send", "members")
 
     def __init__(self, members: Sequence[Member]) -> None:
         self.members = tuple(members)
         self._inputs: dict[int, T.ReduceInput] = {}
+        self._send: torch.Tensor | None = None  # this backward's (ws, total) send buffer
+
+    def columns(self, group: Member) -> torch.Tensor | None:
+        """``group``'s columns of the bucket's send buffer (allocated by the first member to
+        pack, this backward), for it to pack its gradients into: the reduce-scatter then sends
+        the buffer without concatenating the members' packed gradients. ``None`` (pack alone)
+        when the members' reduce dtypes differ."""
+        layouts = [m.state.layout for m in self.members]
+        dtype = layouts[0].grad_reduce_dtype()
+        if any(lay.grad_reduce_dtype() != dtype for lay in layouts):
+            return None
+        sizes = [lay.shard_numel for lay in layouts]
+        ws = layouts[0].world_size
+        if self._send is None:
+            flat = group.alloc_advised(ws * sum(sizes), dtype, group.device)
+            self._send = flat.view(ws, sum(sizes))
+        i = self.members.index(group)
+        return self._send.narrow(1, sum(sizes[:i]), sizes[i])
 
     def add(self, group: Member, rin: T.ReduceInput) -> None:
         """``group``'s packed gradients of this backward; issue when every member's is in."""
@@ -133,6 +153,7 @@ class ReduceBucket:
             return
         rins = [self._inputs[id(g)] for g in posted]
         self._inputs.clear()
+        self._send = None  # the pendings' input now (freed when the reduction lands)
         first = posted[0]
         first.reduce_chain.hand_over(*posted)
         with profiled(lambda: f"FSDP::post_backward_reduce ({first.name})"):
@@ -145,6 +166,7 @@ class ReduceBucket:
     def drop(self) -> None:
         """Forget handed-in gradients (``reset_iter_state``: the step is abandoned)."""
         self._inputs.clear()
+        self._send = None
 
 
 def _wire(req: tuple[GatherSlot, ShardedState, int]) -> torch.dtype:

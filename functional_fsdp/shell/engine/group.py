@@ -689,7 +689,7 @@ class ParamGroup:
                 self.finish_reduce()
                 bucket = self.reduce_bucket
                 if bucket is not None and self.coalesces_reduce():
-                    bucket.add(self, self.reduce_copy_in(grads))
+                    bucket.add(self, self.reduce_copy_in(grads, bucket.columns(self)))
                 else:
                     self.reduce_chain.hand_over(self)
                     self.pending_reduce = self.begin_reduce(grads, self.state)
@@ -882,10 +882,13 @@ class ParamGroup:
             and not uses_pieces(self.comm, self.layout.unsharded_bytes)
         )
 
-    def reduce_copy_in(self, grads: Sequence[torch.Tensor | None]) -> T.ReduceInput:
-        """This group's reduction copy-in (packed, pre-divided, on compute), for a bucket."""
+    def reduce_copy_in(
+        self, grads: Sequence[torch.Tensor | None], out: torch.Tensor | None = None
+    ) -> T.ReduceInput:
+        """This group's reduction copy-in (packed, pre-divided, on compute), for a bucket;
+        ``out``: its columns of the bucket's send buffer."""
         return ordering.reduce_copy_in(
-            self.runtime, grads, self.state, self.comm, **self._reduce_settings()
+            self.runtime, grads, self.state, self.comm, out=out, **self._reduce_settings()
         )
 
     def _reduce_settings(self) -> dict[str, Any]:
