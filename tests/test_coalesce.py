@@ -20,9 +20,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import param_trees, world_sizes
 
-from functional_fsdp.core.coalesce import issue_reduce_coalesced, plan_buckets
+from functional_fsdp.core.coalesce import (
+    begin_unshard_coalesced,
+    issue_reduce_coalesced,
+    plan_buckets,
+)
+from functional_fsdp.core.codec import wire
 from functional_fsdp.core.reduction import reduce_input
-from functional_fsdp.core.transitions import shard
+from functional_fsdp.core.transitions import finish_unshard, shard, unshard
 from functional_fsdp.testing import SimulatedWorld
 
 CFG = dict(vocab=64, dim=16, n_layers=6, n_heads=2, seq=8)
@@ -313,3 +318,27 @@ def test_members_packed_into_one_send_buffer_reduce_the_same(
         assert sent_buffer or ws == 1 or sum(sizes) == 0
         for x, y in zip(outs_alone, outs_joined):
             assert torch.equal(x, y)
+
+
+@given(
+    trees=st.lists(param_trees(dtypes=[torch.float32], max_leaves=3), min_size=1, max_size=3),
+    ws=world_sizes(),
+    pieces=st.booleans(),
+)
+def test_coalesced_unshard_lands_every_member_as_alone(
+    trees: list[Any], ws: int, pieces: bool
+) -> None:
+    """One all-gather for a bucket (packed, or one message per member and peer with the pieces
+    collectives) lands each member's full parameters as its own gather does."""
+
+    def rank(c: Any) -> tuple[list[Any], list[Any]]:
+        states = [shard(t, world_size=ws, rank=c.rank) for t in trees]
+        alone = [unshard(s, c).params for s in states]
+        intos = [torch.empty(ws * wire(s.layout)[0].total) for s in states]
+        pendings = begin_unshard_coalesced(states, c, intos, async_op=False)
+        joined = [finish_unshard(p, into=i).params for p, i in zip(pendings, intos)]
+        return alone, joined
+
+    for alone, joined in SimulatedWorld(ws, pieces=pieces).run(rank):
+        for a, b in zip(alone, joined):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
+from typing import cast
 from contextlib import AbstractContextManager
 
 import attrs
 import torch
 
-from .comm import Communicator, Work, check_comm
+from .comm import Communicator, PiecesCommunicator, Work, check_comm
 from .errors import StateError
 from .records import ShardedState
 from .reduction import PendingReduce, ReduceInput
@@ -168,7 +169,9 @@ def begin_unshard_coalesced(
 ) -> list[PendingUnshard]:
     """One all-gather for several groups: each group's :class:`PendingUnshard`.
 
-    Each rank sends its groups' packed shards side by side (one message per peer); when the
+    Each rank sends its groups' packed shards: with the pieces collectives, each member's as it
+    is (one message per member and peer, no packing copy), otherwise side by side in one
+    message per peer. Either way they land rank-major in one output; when the
     first member waits, the rank-major output is copied out into every member's buffer
     (``intos[k]``, laid out as :func:`~.transitions.copy_out` lays out one group's) and freed.
     Each handle then lands like a gather whose pieces arrived in its buffer. Identity codecs
@@ -193,18 +196,27 @@ def begin_unshard_coalesced(
     sizes = [e.tensor.numel() for e in encoded]
     total = sum(sizes)
     ws = comm.world_size
-    send = torch.cat([e.tensor for e in encoded])
-    out = torch.empty(ws * total, dtype=send.dtype, device=send.device)
-    work = comm.all_gather(out, send, async_op=async_op)
+    first = encoded[0].tensor
+    out = torch.empty(ws * total, dtype=first.dtype, device=first.device)
     rows = out.view(ws, total)
     parts = list(rows.split(sizes, dim=1))
+    send: torch.Tensor | None = None
+    if comm.supports_pieces:
+        # one message per member and peer, straight from each member's shards: no packing copy
+        pieces = cast(PiecesCommunicator, comm)
+        outputs = [[p[r] for p in parts] for r in range(ws)]
+        work = pieces.all_gather_pieces(outputs, [e.tensor for e in encoded], async_op=async_op)
+    else:
+        send = torch.cat([e.tensor for e in encoded])
+        work = comm.all_gather(out, send, async_op=async_op)
 
     def hand_out() -> None:
         with contextlib.nullcontext() if guard is None else guard(tuple(intos)):
             for s, part, into in zip(states, parts, intos):
                 copy_out(s.layout, part, into)
         out.untyped_storage().resize_(0)
-        send.untyped_storage().resize_(0)
+        if send is not None:
+            send.untyped_storage().resize_(0)
 
     shared = CoalescedWork(work, hand_out)
     return [
