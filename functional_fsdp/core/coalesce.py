@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import cast
 from contextlib import AbstractContextManager
+from typing import cast
 
 import attrs
 import torch
