@@ -66,10 +66,23 @@ class _CountDTensorOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _run(which: str, recipe: str, opt_name: str, *, steps: int = 3, hook: bool = False) -> dict:
+def _run(
+    which: str,
+    recipe: str,
+    opt_name: str,
+    *,
+    steps: int = 3,
+    hook: bool = False,
+    copies: bool = False,
+) -> dict:
     model = _build(which, recipe)
     cls, kw = OPTIMIZERS[opt_name]
     opt = cls(model.parameters(), **kw)
+    kept = None
+    if copies:
+        from functional_fsdp import keep_neighbour_copies
+
+        kept = keep_neighbour_copies(model, opt)
     seen: list[bool] = []
     if hook:
         opt.register_step_pre_hook(
@@ -85,7 +98,10 @@ def _run(which: str, recipe: str, opt_name: str, *, steps: int = 3, hook: bool =
             opt.step()
         ops.append(counter.count)
         opt.zero_grad()
-    return {"params": _full_params(model), "opt": opt, "ops": ops, "seen": seen}
+    held = kept.held() if kept is not None else {}
+    if kept is not None:
+        kept.remove()
+    return {"params": _full_params(model), "opt": opt, "ops": ops, "seen": seen, "held": held}
 
 
 def _same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
@@ -139,6 +155,31 @@ def case_hooked_optimizer_sees_dtensors() -> dict:
         "seen": hooked["seen"],
         "ops": hooked["ops"],
         "equal": _equal(hooked["params"], plain["params"]),
+    }
+
+
+def case_neighbour_copies() -> dict:
+    """keep_neighbour_copies' hooks read the state through param_state: the step still runs
+    on local shards, and the copies hold what they hold on the DTensor path."""
+    fast = _run("ours", "fp32", "adamw", copies=True)
+    with _local_step(False):
+        slow = _run("ours", "fp32", "adamw", copies=True)
+
+    def same(a, b) -> bool:
+        return (
+            torch.equal(a.params.flat, b.params.flat)
+            and a.moments.keys() == b.moments.keys()
+            and all(torch.equal(a.moments[k].flat, b.moments[k].flat) for k in a.moments)
+            and all(torch.equal(a.scalars[k], b.scalars[k]) for k in a.scalars)
+        )
+
+    return {
+        "ops": fast["ops"],
+        "params": _equal(fast["params"], slow["params"]),
+        "state": _same_state(fast["opt"], slow["opt"]),
+        "held": fast["held"].keys() == slow["held"].keys()
+        and all(same(fast["held"][n], slow["held"][n]) for n in fast["held"]),
+        "moments": sorted(next(iter(fast["held"].values())).moments),
     }
 
 
@@ -213,6 +254,13 @@ def test_per_optimizer_hook_sees_dtensor_parameters(world2: World) -> None:
         assert res["seen"] == [True, True, True]
         assert min(res["ops"]) > 0  # the DTensor path
         assert res["equal"]
+
+
+def test_neighbour_copies_keep_the_local_step(world2: World) -> None:
+    for res in world2.run(case_neighbour_copies):
+        assert res["ops"][1:] == [0, 0], res["ops"]
+        assert res["params"] and res["state"] and res["held"], res
+        assert res["moments"] == ["exp_avg", "exp_avg_sq"]
 
 
 def test_closure_and_a_raising_step_leave_nothing_swapped(world2: World) -> None:

@@ -16,7 +16,8 @@ bit-identical (the ops are the ones ``DTensor`` would run on the shards) and
 ``ParamGroup.sharded_version`` sees the writes (it counts the local tensors' versions).
 
 The step keeps the ``DTensor`` path (nothing is swapped) when another hook could see the swap or
-a swap could change what runs: a per-optimizer step hook, a global pre-hook registered after
+a swap could change what runs: a per-optimizer step hook (unless marked :func:`swap_aware`, as
+``keep_neighbour_copies``' are: they read state through :func:`param_state`), a global pre-hook registered after
 this one (other than this package's own checks) or a global post-hook before it, a closure, a
 ``differentiable`` group, ``torch.compile`` tracing, a 0-dim parameter or a gradient whose
 placements differ from its parameter's. :func:`set_local_optimizer_step` turns it off.
@@ -85,8 +86,33 @@ def install(*safe_after: Any) -> None:
         _HANDLES.append(register_optimizer_step_post_hook(_to_dtensor))
 
 
+def swap_aware(hook: Any) -> Any:
+    """Mark a per-optimizer step hook that reads the optimizer's state through
+    :func:`param_state` (so the step may still run on local shards around it)."""
+    hook._ffsdp_swap_aware = True
+    return hook
+
+
+def param_state(opt: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """``opt.state`` of parameter ``p`` (``{}`` if none), also inside a step on local shards
+    (where the state is keyed by ``p``'s local tensor and holds local tensors)."""
+    st = opt.state
+    if p in st:
+        return st[p]
+    if isinstance(p, DTensor) and _SWAPPED in opt.__dict__:
+        return st.get(p._local_tensor, {})
+    return {}
+
+
+def _aware(hooks: Any) -> bool:
+    return all(getattr(getattr(h, "__func__", h), "_ffsdp_swap_aware", False) for h in hooks)
+
+
 def _hooks_allow(opt: torch.optim.Optimizer) -> bool:
-    if opt._optimizer_step_pre_hooks or opt._optimizer_step_post_hooks:
+    if not (
+        _aware(opt._optimizer_step_pre_hooks.values())
+        and _aware(opt._optimizer_step_post_hooks.values())
+    ):
         return False
     pre = list(_global_optimizer_pre_hooks.values())
     after = pre[pre.index(_to_local) + 1 :] if _to_local in pre else [None]

@@ -44,6 +44,7 @@ from ...core.recovery import Redundancy, Restorable, copy_holder, copy_source
 from ...core.transitions import pack_locals
 from ..comm.custom import base_comm
 from ..engine.group import ParamGroup
+from ..engine.local_step import param_state, swap_aware
 
 __all__ = ["HeldCopy", "NeighbourCopies", "keep_neighbour_copies", "model_groups"]
 
@@ -73,7 +74,7 @@ class _GroupPlan:
 
     def __init__(self, group: ParamGroup, optimizer: torch.optim.Optimizer) -> None:
         self.group = group
-        state = [optimizer.state.get(p, {}) for p in group.params]
+        state = [param_state(optimizer, p) for p in group.params]
         first: dict[str, Any] = next((s for s in state if s), {})
         local0 = [_local(p) for p in group.params]
         self.moment_keys = sorted(
@@ -91,7 +92,7 @@ class _GroupPlan:
         parameters, each moment's non-empty local shards, the scalars."""
         g = self.group
         out: list[torch.Tensor] = [g.state.flat]
-        states = [self.optimizer.state.get(p, {}) for p in g.params]
+        states = [param_state(self.optimizer, p) for p in g.params]
         for k in self.moment_keys:
             out.extend(_local(s[k]).contiguous() for s in states if _local(s[k]).numel())
         out.extend(self.scalars(states).values())
@@ -214,6 +215,7 @@ class NeighbourCopies:
         stops moving is dead."""
         return None if self._heartbeat is None else self._heartbeat.read(rank)
 
+    @swap_aware
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del optimizer, args, kwargs
         self.wait()  # the previous step's copies (sent during this step's forward)
@@ -225,6 +227,7 @@ class NeighbourCopies:
         }
         self._snapshot_step = self.done
 
+    @swap_aware
     def _after_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del optimizer, args, kwargs
         self.done += 1
@@ -372,7 +375,7 @@ def _own(plan: _GroupPlan, reuse: HeldCopy | None) -> HeldCopy:
     """This rank's state of ``plan``'s group as a :class:`HeldCopy` (copied, into ``reuse``'s
     buffers, donated, when they fit)."""
     g = plan.group
-    states = [plan.optimizer.state.get(p, {}) for p in g.params]
+    states = [param_state(plan.optimizer, p) for p in g.params]
     fits = reuse is not None and sorted(reuse.moments) == plan.moment_keys
     with torch.no_grad():
         if reuse is not None and fits:
