@@ -1,8 +1,9 @@
 """The optimizer step on local shards (``shell/engine/local_step.py``), on a real 2-rank world.
 
 Every allowlisted elementwise optimizer gives the same parameters and the same ``DTensor``
-state as the ``DTensor`` path (``set_local_optimizer_step(False)``) and as torch's FSDP2, bit
-for bit, while dispatching no ``DTensor`` op in its step; the cases where the swap could be
+state as the ``DTensor`` path (``set_local_optimizer_step(False)``) and as torch's FSDP2 (whose
+parameters keep the ``DTensor`` path in the same process), bit for bit, while dispatching no
+``DTensor`` op in its step; the cases where the swap could be
 seen (a per-optimizer hook, a closure) take the ``DTensor`` path, and a step that raises leaves
 nothing swapped behind.
 """
@@ -145,6 +146,7 @@ def case_matches_dtensor_path_and_fsdp2(recipe: str, opt_name: str) -> dict:
         ),
         "fast_ops": fast["ops"],
         "slow_ops": slow["ops"],
+        "fsdp2_ops": fsdp2["ops"],
     }
 
 
@@ -239,6 +241,7 @@ def test_elementwise_optimizers_bit_identical(world2: World, opt_name: str) -> N
         # on the DTensor path; on local shards the later steps dispatch no DTensor op at all
         assert res["fast_ops"][1:] == [0, 0], res["fast_ops"]
         assert min(res["slow_ops"]) > 0
+        assert min(res["fsdp2_ops"]) > 0  # torch's FSDP2 parameters keep the DTensor path
 
 
 @pytest.mark.parametrize("recipe", ["shard1", "offload", "list", "mp"])

@@ -8,7 +8,8 @@ parameters as plain tensors (``benchmarks/bench_overhead.py``).
 
 So a global optimizer step pre-hook hands an allowlisted elementwise optimizer
 (:data:`ELEMENTWISE`: SGD, Adam, AdamW, Adagrad, RMSprop, NAdam, RAdam, Adamax) the local
-tensors of its ``DTensor`` parameters, their gradients' local tensors as ``.grad`` and its state's
+tensors of its ``DTensor`` parameters sharded by this package (:func:`own_step`; torch's FSDP2
+parameters in the same process keep their path), their gradients' local tensors as ``.grad`` and its state's
 local tensors, and the post-hook puts everything back: the same ``DTensor`` objects in
 ``param_groups`` and in ``state`` (so ``state_dict`` and checkpoints see exactly what FSDP2's
 step leaves), state the step created wrapped with its parameter's spec. The results are
@@ -132,9 +133,17 @@ def _applies(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> bool:
     )
 
 
+def own_step(p: Any) -> Any:
+    """Mark ``p`` (a sharded parameter of this package) for the local-shard step; parameters of
+    other code (torch's own FSDP2, plain tensor parallelism) keep the ``DTensor`` path."""
+    p._ffsdp_local_step = True
+    return p
+
+
 def _local_pair(p: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(local, local gradient)`` of a ``DTensor`` parameter whose gradient shares its layout."""
-    if not isinstance(p, DTensor) or p.dim() == 0:
+    """``(local, local gradient)`` of one of our ``DTensor`` parameters whose gradient shares
+    its layout."""
+    if not getattr(p, "_ffsdp_local_step", False) or not isinstance(p, DTensor) or p.dim() == 0:
         return None
     g = p.grad
     if not isinstance(g, DTensor):

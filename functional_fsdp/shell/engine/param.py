@@ -17,6 +17,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 
 from ...core.records import ParamSpec
+from .local_step import own_step
 
 __all__ = ["Holders", "ShardedParam"]
 
@@ -73,7 +74,9 @@ class ShardedParam:
         self.requires_grad = requires_grad
         self.placements = placements
         self.dtensor_spec = dtensor_spec
-        self.sharded: nn.Parameter = nn.Parameter(self.dtensor(local), requires_grad=requires_grad)
+        self.sharded: nn.Parameter = own_step(
+            nn.Parameter(self.dtensor(local), requires_grad=requires_grad)
+        )
         self.full: torch.Tensor | None = None
         self.lent: Holders = []
 
@@ -97,9 +100,11 @@ class ShardedParam:
         new packed shards; a tensor that is not a ``DTensor`` parameter is replaced by one."""
         if isinstance(current, nn.Parameter) and isinstance(current, DTensor):
             current._local_tensor = local
-            self.sharded = current
+            self.sharded = own_step(current)
         else:
-            self.sharded = nn.Parameter(self.dtensor(local), requires_grad=self.requires_grad)
+            self.sharded = own_step(
+                nn.Parameter(self.dtensor(local), requires_grad=self.requires_grad)
+            )
 
     # ------------------------------------------------------------------ on its modules
 
