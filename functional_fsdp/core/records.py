@@ -11,6 +11,7 @@ state)`` is a record of shapes, as a pytree must allow.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -169,18 +170,25 @@ class GroupLayout:
         """dtype of the all-gather buffers (``torch.uint8`` when dtypes are mixed)."""
         return self.gather_dtypes[0] if (self.specs and self.gather.uniform) else torch.uint8
 
-    @property
+    # Derived values read on every step (a reduction reads them per group): computed once per
+    # layout (functools.cached_property on attrs' slotted classes; not fields, so not compared).
+
+    @functools.cached_property
     def shard_numel(self) -> int:
         """Elements of one rank's padded shards of every parameter (a reduce-scatter row)."""
         return sum(L.prod(sh) for sh in self.shard_shapes)
 
-    @property
+    @functools.cached_property
     def unsharded_bytes(self) -> int:
         """Bytes of the group's all-gather output (every rank's padded shards, gather dtypes)."""
         return self.world_size * self.gather.total * self.gather_buffer_dtype.itemsize
 
     def grad_reduce_dtype(self) -> torch.dtype:
         """dtype gradients are reduced in: ``reduce_dtype`` or the uniform gather dtype."""
+        return self._grad_reduce_dtype
+
+    @functools.cached_property
+    def _grad_reduce_dtype(self) -> torch.dtype:
         if self.reduce_dtype is not None:
             return self.reduce_dtype
         floats = {d for d, s in zip(self.gather_dtypes, self.specs) if s.requires_grad}
