@@ -185,6 +185,45 @@ def case_neighbour_copies() -> dict:
     }
 
 
+def case_group_with_a_foreign_parameter(foreach: bool) -> dict:
+    """A param group holding a DTensor parameter that is not ours (here made with
+    ``distribute_tensor``) beside ours keeps the DTensor path whole (foreach ops refuse DTensors
+    beside tensors); a group of ours alone still steps on local shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    def run() -> tuple[dict, torch.Tensor, list[int]]:
+        model = _build("ours", "fp32")
+        torch.manual_seed(1)
+        extra = torch.nn.Parameter(distribute_tensor(torch.randn(6), mesh, [Shard(0)]))
+        blocks = [p for n, p in model.named_parameters() if n.startswith("blocks.")]
+        rest = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+        opt = torch.optim.AdamW(
+            [{"params": blocks}, {"params": [*rest, extra]}], lr=1e-2, foreach=foreach
+        )
+        ops = []
+        for s in range(3):
+            x, y = synthetic_batch(CFG, 2, seed=1000 * s + dist.get_rank())
+            model.loss(x, y).backward()
+            extra.grad = distribute_tensor(torch.full((6,), 0.5 + s), mesh, [Shard(0)])
+            with _CountDTensorOps() as counter:
+                opt.step()
+            ops.append(counter.count)
+            opt.zero_grad()
+        return _full_params(model), extra.full_tensor().detach(), ops
+
+    fast, fast_extra, ops = run()
+    with _local_step(False):
+        slow, slow_extra, slow_ops = run()
+    return {
+        "equal": _equal(fast, slow) and torch.equal(fast_extra, slow_extra),
+        "ops": ops,
+        "slow_ops": slow_ops,
+    }
+
+
 def case_closure_and_raising_step() -> dict:
     model = _build("ours", "fp32")
     ref = _build("ours", "fp32")
@@ -257,6 +296,16 @@ def test_per_optimizer_hook_sees_dtensor_parameters(world2: World) -> None:
         assert res["seen"] == [True, True, True]
         assert min(res["ops"]) > 0  # the DTensor path
         assert res["equal"]
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_group_with_a_foreign_parameter_keeps_the_dtensor_path(
+    world2: World, foreach: bool
+) -> None:
+    for res in world2.run(case_group_with_a_foreign_parameter, foreach):
+        assert res["equal"], res
+        # the root's group stepped through DTensor dispatch, the blocks' on local shards
+        assert all(0 < a < b for a, b in zip(res["ops"], res["slow_ops"])), res
 
 
 def test_neighbour_copies_keep_the_local_step(world2: World) -> None:

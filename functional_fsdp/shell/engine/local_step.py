@@ -18,10 +18,12 @@ bit-identical (the ops are the ones ``DTensor`` would run on the shards) and
 
 The step keeps the ``DTensor`` path (nothing is swapped) when another hook could see the swap or
 a swap could change what runs: a per-optimizer step hook (unless marked :func:`swap_aware`, as
-``keep_neighbour_copies``' are: they read state through :func:`param_state`), a global pre-hook registered after
-this one (other than this package's own checks) or a global post-hook before it, a closure, a
-``differentiable`` group, ``torch.compile`` tracing, a 0-dim parameter or a gradient whose
-placements differ from its parameter's. :func:`set_local_optimizer_step` turns it off.
+``keep_neighbour_copies``' are: they read state through :func:`param_state`), a global pre-hook
+registered after this one (other than this package's own checks) or a global post-hook before
+it, a closure, a ``differentiable`` group, ``torch.compile`` tracing; and a param group keeps it
+when it holds a parameter with a gradient that cannot be swapped (not ours, 0-dim, or a
+gradient whose placements differ from its parameter's): each group is swapped whole or not at
+all. :func:`set_local_optimizer_step` turns it off.
 """
 
 from __future__ import annotations
@@ -163,9 +165,11 @@ def _to_local(opt: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) ->
     swap, state = _Swap(), opt.state
     for group in opt.param_groups:
         params = group["params"]
+        pairs = [_local_pair(p) for p in params]
+        if not any(pairs) or any(q is None and p.grad is not None for p, q in zip(params, pairs)):
+            continue  # all or nothing per group: foreach ops refuse DTensors beside tensors
         new = list(params)
-        for i, p in enumerate(params):
-            pair = _local_pair(p)
+        for i, (p, pair) in enumerate(zip(params, pairs)):
             if pair is None:
                 continue
             local, lgrad = pair
@@ -180,9 +184,8 @@ def _to_local(opt: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) ->
             state[local] = st
             new[i] = local
             swap.rows.append((p, local, replaced, had))
-        if any(a is not b for a, b in zip(new, params)):
-            swap.groups.append((group, params))
-            group["params"] = new
+        swap.groups.append((group, params))
+        group["params"] = new
     if swap.rows:
         setattr(opt, _SWAPPED, swap)
 
