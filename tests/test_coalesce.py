@@ -26,7 +26,8 @@ from functional_fsdp.core.coalesce import (
     plan_buckets,
 )
 from functional_fsdp.core.codec import wire
-from functional_fsdp.core.reduction import reduce_input
+from functional_fsdp.core.errors import StateError
+from functional_fsdp.core.reduction import pack_grads, reduce_input
 from functional_fsdp.core.transitions import finish_unshard, shard, unshard
 from functional_fsdp.testing import SimulatedWorld
 
@@ -342,3 +343,20 @@ def test_coalesced_unshard_lands_every_member_as_alone(
     for alone, joined in SimulatedWorld(ws, pieces=pieces).run(rank):
         for a, b in zip(alone, joined):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_pack_grads_into_a_wrong_buffer_is_a_named_error() -> None:
+    """``pack_grads(out=...)`` checks the buffer before writing: a wrong shape or dtype names
+    what it expected."""
+    tree = {"w": torch.zeros(4, 3), "b": torch.zeros(5)}
+    lay = shard(tree, world_size=2, rank=0).layout
+    grads = [torch.ones(5), torch.ones(4, 3)]  # layout order: the sorted keys
+    good = torch.full((2, lay.shard_numel), 7.0)
+    packed = pack_grads(grads, lay, out=good)
+    assert packed.data_ptr() == good.data_ptr() and torch.equal(packed, pack_grads(grads, lay))
+    n = lay.shard_numel
+    for bad in (torch.full((2, n + 1), 3.0), torch.full((2, n), 3.0, dtype=torch.float64)):
+        before = bad.clone()
+        with pytest.raises(StateError, match=rf"out must be \(2, {n}\) of torch.float32"):
+            pack_grads(grads, lay, out=bad)
+        assert torch.equal(bad, before)  # nothing written
