@@ -911,6 +911,9 @@ class ParamGroup:
         """This group's part of a bucket's reduce-scatter, now in flight."""
         self.pending_reduce = pending
 
+    # ------------------------------------------------------------------ gradients: the module
+    # path's own reduction and landing the reduced shards
+
     def trained(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """``grads`` with ``None`` for the frozen parameters."""
         return [g if rg else None for g, rg in zip(grads, self._requires_grad)]
