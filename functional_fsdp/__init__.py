@@ -65,6 +65,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "SafeLoadPlanner": (".shell", "SafeLoadPlanner"),
     "run_local": (".shell.launch", "run_local"),
     "set_local_optimizer_step": (".shell", "set_local_optimizer_step"),
+    "set_host_buffer_pool_bytes": (".shell.device.pool", "set_host_buffer_pool_bytes"),
     # the functional API and the optimizers
     "functional": (".functional", None),
     "optim": (".optim", None),

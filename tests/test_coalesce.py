@@ -67,14 +67,14 @@ def test_plan_keeps_order_and_bounds(sizes: list[int], ok: list[bool], bucket: i
 # ----------------------------------------------------------------------------- cases (ranks)
 
 
-def _model(kind: str, bucket_bytes: int, opts: dict[str, Any]) -> Any:
+def _model(kind: str, bucket_bytes: int, opts: dict[str, Any], cfg: dict | None = None) -> Any:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from functional_fsdp.testing.models import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CFG))
+    model = GPT(GPTConfig(**(cfg or CFG)))
     if kind == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     else:
@@ -102,17 +102,17 @@ def _model(kind: str, bucket_bytes: int, opts: dict[str, Any]) -> Any:
     return model
 
 
-def _train(model: Any, opts: dict[str, Any]) -> list[float]:
+def _train(model: Any, opts: dict[str, Any], cfg: dict | None = None) -> list[float]:
     import torch.distributed as dist
 
     from functional_fsdp.testing.models import GPTConfig, synthetic_batch
 
-    cfg = GPTConfig(**CFG)
+    conf = GPTConfig(**(cfg or CFG))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rank = dist.get_rank()
     losses = []
     for step in range(STEPS):
-        x, y = synthetic_batch(cfg, 4, seed=100 * step + rank)
+        x, y = synthetic_batch(conf, 4, seed=100 * step + rank)
         if opts.get("no_sync"):
             model.set_requires_gradient_sync(False)
             model.loss(x[:2], y[:2]).div(2).backward()
@@ -157,6 +157,35 @@ def case_equal(opts: dict[str, Any], with_fsdp2: bool) -> dict[str, Any]:
         t = _full(theirs)
         out["equal_fsdp2"] = all(torch.equal(t[k], runs["coalesced"][k]) for k in t)
     return out
+
+
+# Blocks of about 200 KiB: their buffers are in the host pool's range (64 KiB to 4 MiB).
+POOL_CFG = dict(vocab=256, dim=64, n_layers=4, n_heads=2, seq=16)
+
+
+def case_host_pool() -> dict[str, Any]:
+    """Coalesced training with the host buffer pool (the default) and without it, and FSDP2:
+    ``torch.equal`` on every parameter; the pool's hits while each ran."""
+    from functional_fsdp.shell.device.pool import host_buffer_pool, set_host_buffer_pool_bytes
+
+    pool = host_buffer_pool()
+    runs, hits = {}, {}
+    for name, size in (("pooled", 16 << 20), ("unpooled", 0)):
+        set_host_buffer_pool_bytes(size)
+        before = pool.hits
+        model = _model("ours", 1 << 20, {}, POOL_CFG)
+        _train(model, {}, POOL_CFG)
+        hits[name] = pool.hits - before
+        runs[name] = _full(model)
+    set_host_buffer_pool_bytes(16 << 20)
+    theirs = _model("fsdp2", 0, {}, POOL_CFG)
+    _train(theirs, {}, POOL_CFG)
+    t = _full(theirs)
+    return {
+        "equal": all(torch.equal(runs["pooled"][k], runs["unpooled"][k]) for k in t),
+        "equal_fsdp2": all(torch.equal(t[k], runs["pooled"][k]) for k in t),
+        "hits": hits,
+    }
 
 
 def _collectives(model: Any) -> int:
@@ -248,6 +277,16 @@ def test_coalesced_equals_one_collective_per_group(world2, name: str) -> None:
     # Not vacuous: buckets of several groups, and fewer collectives than one per group.
     assert r["forward_buckets"] < r["groups"] and r["backward_buckets"] < r["groups"], r
     assert r["collectives"]["coalesced"] < r["collectives"]["alone"], r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_host_buffer_pool_changes_no_bits(world2) -> None:
+    res = world2.run(case_host_pool)
+    print(res[0])
+    assert all(r["equal"] and r["equal_fsdp2"] for r in res), res
+    # Not vacuous: the pooled run reused memory every step, the unpooled one never did.
+    assert all(r["hits"]["pooled"] > 10 and r["hits"]["unpooled"] == 0 for r in res), res
 
 
 @pytest.mark.multiprocess

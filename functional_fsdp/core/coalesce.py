@@ -35,7 +35,7 @@ import torch
 from .comm import Communicator, PiecesCommunicator, Work, check_comm
 from .errors import StateError
 from .records import ShardedState
-from .reduction import PendingReduce, ReduceInput
+from .reduction import PendingReduce, ReduceInput, empty_buffer
 from .transitions import PendingUnshard, copy_out, encode_unshard
 
 __all__ = [
@@ -166,6 +166,8 @@ def begin_unshard_coalesced(
     *,
     async_op: bool = True,
     guard: Callable[[tuple[torch.Tensor, ...]], AbstractContextManager[object]] | None = None,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
+    free: Callable[[torch.Tensor], None] | None = None,
 ) -> list[PendingUnshard]:
     """One all-gather for several groups: each group's :class:`PendingUnshard`.
 
@@ -184,6 +186,9 @@ def begin_unshard_coalesced(
         async_op: return before the collective completes.
         guard: a context the copy-out into the buffers runs in (the shell keeps their
             autograd version counters, as for a one-group landing).
+        alloc: makes the rank-major output, ``alloc(numel, dtype, device)`` (default
+            ``torch.empty``).
+        free: frees it after the copy-out (default: ``resize_(0)`` of its storage).
     """
     _check_bucket(states, comm, "coalesced unshard")
     encoded = [encode_unshard(s, comm) for s in states]
@@ -197,7 +202,7 @@ def begin_unshard_coalesced(
     total = sum(sizes)
     ws = comm.world_size
     first = encoded[0].tensor
-    out = torch.empty(ws * total, dtype=first.dtype, device=first.device)
+    out = (alloc or empty_buffer)(ws * total, first.dtype, first.device)
     rows = out.view(ws, total)
     parts = list(rows.split(sizes, dim=1))
     send: torch.Tensor | None = None
@@ -214,7 +219,7 @@ def begin_unshard_coalesced(
         with contextlib.nullcontext() if guard is None else guard(tuple(intos)):
             for s, part, into in zip(states, parts, intos):
                 copy_out(s.layout, part, into)
-        out.untyped_storage().resize_(0)
+        (free or _free)(out)
         if send is not None:
             send.untyped_storage().resize_(0)
 
@@ -264,7 +269,7 @@ def issue_reduce_coalesced(
     send = _columns_buffer(cols, total)
     if send is None:
         send = torch.cat(cols, dim=1).view(-1)
-    out = (alloc or _empty)(total, send.dtype, device)
+    out = (alloc or empty_buffer)(total, send.dtype, device)
     work = comm.reduce_scatter(out, send, op=ops.pop(), async_op=async_op)
     shared = CoalescedWork(work)
     pendings = []
@@ -312,5 +317,5 @@ def _columns_buffer(cols: Sequence[torch.Tensor], total: int) -> torch.Tensor | 
     return base
 
 
-def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, device=device)
+def _free(t: torch.Tensor) -> None:
+    t.untyped_storage().resize_(0)

@@ -80,12 +80,14 @@ def pack_grads(
     *,
     device: torch.device | None = None,
     out: torch.Tensor | None = None,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Reduce-scatter input: grads cast to the reduce dtype, padded, packed as ``(ws, S)``.
 
     Missing gradients pack as zeros. ``out``: a ``(ws, S)`` tensor of the reduce dtype to pack
     into (*donated*: written in place), e.g. this group's columns of a bucket's send buffer;
-    the result is then ``out`` itself (flat only when ``out`` is contiguous).
+    the result is then ``out`` itself (flat only when ``out`` is contiguous). Else ``alloc``
+    (default ``torch.empty``) makes the buffer when every gradient is present.
     """
     layout.check_full(grads, what="reduce_grad")
     dtype = layout.grad_reduce_dtype()
@@ -104,7 +106,7 @@ def pack_grads(
     if fast and all(d == 0 for d in layout.shard_dims):
         cast = [g if g.dtype == dtype else g.to(dtype) for g in present]
         if out is None:
-            out = torch.empty(ws, total, dtype=dtype, device=dev)
+            out = (alloc or empty_buffer)(ws * total, dtype, dev).view(ws, total)
         torch._chunk_cat(cast, dim=0, num_chunks=ws, out=out)
         return _flat_if_contiguous(out)
     if out is None:
@@ -215,11 +217,13 @@ def reduce_input(
     reduce_unused: bool = False,
     compression: GradCompression | None = None,
     out: torch.Tensor | None = None,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
 ) -> ReduceInput:
     """The first half of :func:`begin_reduce`: check, choose the path, and pack the gradients
     (cast to the reduce dtype, padded, pre-divided) unless the pieces path sends them as they
     are. No collective is issued. ``out``: where to pack (:func:`pack_grads`; a bucket's
-    columns), unused on the pieces path."""
+    columns), unused on the pieces path; else ``alloc(numel, dtype, device)`` makes the packed
+    buffer (default ``torch.empty``)."""
     if compression is not None and not isinstance(compression, GradCompression):
         raise StateError(
             f"compression must be a GradCompression or None, got {type(compression).__name__}"
@@ -254,7 +258,7 @@ def reduce_input(
         and factors.pre in (None, 1)
         and factors.premul is None
     )
-    packed = None if pieces else _pack_input(glist, lay, factors, device, compression, out)
+    packed = None if pieces else _pack_input(glist, lay, factors, device, compression, out, alloc)
     return ReduceInput(
         sharded,
         tuple(glist),
@@ -293,7 +297,7 @@ def issue_reduce(
         residual = sharded.residual
     else:
         out, work, residual = _reduce_packed(
-            rin.packed, sharded, comm, factors, alloc or _empty, async_op, rin.compression
+            rin.packed, sharded, comm, factors, alloc or empty_buffer, async_op, rin.compression
         )
     return PendingReduce(
         sharded,
@@ -315,10 +319,13 @@ def _pack_input(
     device: torch.device,
     compression: GradCompression | None,
     out: torch.Tensor | None = None,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The packed reduce-scatter input: the gradients packed (into ``out`` when given), in fp32
     for a compressed reduction, pre-divided."""
-    inp = pack_grads(glist, lay, device=device, out=None if compression is not None else out)
+    inp = pack_grads(
+        glist, lay, device=device, out=None if compression is not None else out, alloc=alloc
+    )
     if compression is not None and lay.world_size > 1 and inp.dtype != torch.float32:
         inp = inp.float()
     if factors.pre is not None and factors.pre != 1:
@@ -499,7 +506,7 @@ def _reduce_pieces(
     gradient is sent as zeros, as the packed path packs it."""
     lay, ws = sharded.layout, sharded.layout.world_size
     numels = [L.prod(sh) for sh in lay.shard_shapes]
-    out = (alloc or _empty)(sum(numels), rdtype, device)
+    out = (alloc or empty_buffer)(sum(numels), rdtype, device)
     sends: list[list[torch.Tensor]] = [[] for _ in range(ws)]
     outs: list[torch.Tensor] = []
     off = 0
@@ -520,5 +527,7 @@ def _reduce_pieces(
     return out, comm.reduce_scatter_pieces(outs, sends, op=factors.op, async_op=async_op)
 
 
-def _empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def empty_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``torch.empty``, as an ``alloc``: the default maker of the core's new buffers (gather
+    outputs, packed gradients, reduction outputs; the shell injects one that reuses memory)."""
     return torch.empty(numel, dtype=dtype, device=device)

@@ -51,6 +51,7 @@ from .reduction import (
     ReduceInput,
     accumulate_local_grads,
     begin_reduce,
+    empty_buffer,
     finish_reduce,
     issue_reduce,
     pack_grads,
@@ -352,6 +353,7 @@ def begin_unshard(
     async_op: bool = True,
     into: torch.Tensor | None = None,
     encoded: GatherInput | None = None,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
 ) -> PendingUnshard:
     """Encode and issue the group's one all-gather (over the sub-group for a
     :class:`PostForwardState`).
@@ -369,6 +371,8 @@ def begin_unshard(
             is gathered straight into it, parameter by parameter (no copy-out).
         encoded: this rank's input, already made by :func:`encode_unshard` with the same
             ``state``, ``comm`` and ``codecs`` (``None``: encode here).
+        alloc: makes the all-gather output, ``alloc(numel, dtype, device)`` (default
+            ``torch.empty``; the shell's reuses freed host memory).
 
     Raises:
         GatherCodecError: a codec's encode failed or disagrees with the layout (no collective
@@ -399,7 +403,7 @@ def begin_unshard(
         return PendingUnshard(lay, state.rank, None, pieces, source, into, kept, input=fresh)
     # world_size rows of the wire packing (a PostForwardState's sub-group sends several rows).
     ranks = comm.world_size
-    out = torch.empty(ranks * inp.numel(), dtype=inp.dtype, device=inp.device)
+    out = (alloc or empty_buffer)(ranks * inp.numel(), inp.dtype, inp.device)
     work = collective_or_copy(ranks, out, inp, lambda: comm.all_gather(out, inp, async_op=async_op))
     return PendingUnshard(lay, state.rank, out, work, source, into, kept, metadata, fresh)
 

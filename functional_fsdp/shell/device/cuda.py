@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from .pool import spanned_bytes
 from .runtime import ROLES, Event, Stream
 
 __all__ = ["CudaRuntime"]
@@ -113,6 +114,14 @@ class CudaRuntime:
         """Free now if ``events`` are complete, else when a later call finds them complete."""
         self._deferred[tensor.untyped_storage()._cdata] = (tensor, list(events))
         self._collect()
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``torch.empty`` (the caching allocator reuses memory)."""
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def regrow(self, tensor: torch.Tensor) -> None:
+        """``resize_`` (the caching allocator reuses memory)."""
+        tensor.untyped_storage().resize_(spanned_bytes(tensor))
 
     def _collect(self) -> None:
         for key, (tensor, events) in list(self._deferred.items()):

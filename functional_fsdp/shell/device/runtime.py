@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 import torch
 
+from .pool import host_buffer_pool, spanned_bytes
+
 __all__ = ["ROLES", "CPURuntime", "DeviceRuntime", "Event", "Stream"]
 
 #: The side streams the engine uses, by role (FSDP2's: all-gather copy-in, all-gather,
@@ -114,6 +116,15 @@ class DeviceRuntime(Protocol):
         """Free ``tensor``'s storage (``resize_(0)``) once ``events`` have completed."""
         ...
 
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new 1-D buffer for the engine's own use (freed through :meth:`free_after`)."""
+        ...
+
+    def regrow(self, tensor: torch.Tensor) -> None:
+        """Give the freed storage of ``tensor`` memory again (the same storage: views of it
+        that autograd saved see the new contents)."""
+        ...
+
 
 class CPURuntime:
     """One stream; every operation is complete when it returns (today's CPU behaviour)."""
@@ -125,6 +136,7 @@ class CPURuntime:
         self._compute = Stream("compute", 0)
         self._done = Event(self._compute)
         self._nothing = contextlib.nullcontext()
+        self._pool = host_buffer_pool()
 
     @property
     def compute(self) -> Stream:
@@ -166,5 +178,13 @@ class CPURuntime:
         """Nothing to track."""
 
     def free_after(self, tensor: torch.Tensor, events: Sequence[Event]) -> None:
-        """Free now: every event is complete."""
-        tensor.untyped_storage().resize_(0)
+        """Free now (every event is complete), into the host buffer pool."""
+        self._pool.drain(tensor.untyped_storage())
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """From the host buffer pool (:mod:`.pool`)."""
+        return self._pool.empty(numel, dtype, device)
+
+    def regrow(self, tensor: torch.Tensor) -> None:
+        """From the host buffer pool (:mod:`.pool`)."""
+        self._pool.fill(tensor.untyped_storage(), spanned_bytes(tensor))

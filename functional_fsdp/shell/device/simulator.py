@@ -45,6 +45,7 @@ from collections.abc import Iterator, Sequence
 import attrs
 import torch
 
+from .pool import spanned_bytes
 from .runtime import ROLES, Event, Stream
 
 __all__ = ["StreamOrderError", "StreamSimulator", "Violation"]
@@ -218,6 +219,14 @@ class StreamSimulator:
                 break
         h.freed = True
         tensor.untyped_storage().resize_(0)
+
+    def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``torch.empty`` (the simulator checks orders, not memory reuse)."""
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def regrow(self, tensor: torch.Tensor) -> None:
+        """``resize_``, as the CPU did before the host buffer pool."""
+        tensor.untyped_storage().resize_(spanned_bytes(tensor))
 
     # ------------------------------------------------------------------ checks
 

@@ -143,12 +143,12 @@ class GatherSlot:
             storage = self.buffer.untyped_storage()
             nbytes = self.buffer.numel() * self.buffer.element_size()
             if storage.size() != nbytes:
-                storage.resize_(nbytes)
+                rt.regrow(self.buffer)
                 self._advise(self.buffer)
             for t in self.inner:
                 n = t.numel() * t.element_size()
                 if t.untyped_storage().size() != n:
-                    t.untyped_storage().resize_(n)
+                    rt.regrow(t)
                 rt.allocated(rt.compute, t)
         # (A free still deferred on the device is cancelled: the new writer is ordered after
         # the old readers by events.)

@@ -981,8 +981,9 @@ class ParamGroup:
         return None
 
     def alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A new reduction output buffer, with the kernel advised about the fresh memory."""
-        t = torch.empty(numel, dtype=dtype, device=device)
+        """A new buffer from the runtime (reduction outputs, a bucket's send buffer), with the
+        kernel advised about fresh memory."""
+        t = self.runtime.empty(numel, dtype, device)
         self._advise(t)
         return t
 

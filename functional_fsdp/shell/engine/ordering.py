@@ -98,7 +98,9 @@ def issue_gather(
             rt.access(ci, "all-gather copy-in", reads=[own], writes=made)
     rt.wait_stream(ag, ci)
     with rt.use(ag):
-        pending = T.begin_unshard(source, comm, codecs=codecs, into=into, encoded=enc)
+        pending = T.begin_unshard(
+            source, comm, codecs=codecs, into=into, encoded=enc, alloc=rt.empty
+        )
         if rt.checks:
             out = pending.output if pending.output is not None else pending.into
             assert out is not None
@@ -123,7 +125,9 @@ def issue_gather_coalesced(
     rt.wait_stream(ci, rt.compute)
     rt.wait_stream(ag, ci)
     with rt.use(ag):
-        pendings = begin_unshard_coalesced(sources, comm, intos, guard=guard)
+        pendings = begin_unshard_coalesced(
+            sources, comm, intos, guard=guard, alloc=rt.empty, free=lambda t: rt.free_after(t, [])
+        )
         if rt.checks:
             rt.access(
                 ag,
@@ -291,7 +295,7 @@ def reduce_copy_in(
     if rt.checks:  # backward made the gradients on compute
         rt.access(c, "backward (the gradients)", writes=present)
     with rt.use(c):
-        rin = T.reduce_input(grads, sharded, comm, **settings)
+        rin = T.reduce_input(grads, sharded, comm, alloc=rt.empty, **settings)
         if rt.checks:
             packed = [rin.packed] if rin.packed is not None else []
             rt.access(c, "reduce-scatter copy-in", reads=present, writes=packed)

@@ -1,0 +1,113 @@
+"""The host buffer pool (``shell/device/pool.py``): memory moves, contents never leak.
+
+A freed buffer's storage is left with no memory (as ``resize_(0)`` leaves it), a buffer given
+memory again keeps its storage (views autograd saved see the new contents), the pool retains at
+most its size, and live buffers never share memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from functional_fsdp.shell.device.pool import MAX_BYTES, MIN_BYTES, HostBufferPool
+from functional_fsdp.shell.device.runtime import CPURuntime
+
+N = MIN_BYTES // 4  # float32 elements of the smallest pooled buffer
+
+
+def test_freed_memory_goes_to_the_next_buffer_of_its_size() -> None:
+    pool = HostBufferPool(1 << 20)
+    a = pool.empty(N, torch.float32, torch.device("cpu"))
+    ptr = a.data_ptr()
+    stale = a[3:7]
+    pool.drain(a.untyped_storage())
+    # Freed exactly as resize_(0) frees: the old storage (and every view of it) has no memory.
+    assert a.untyped_storage().nbytes() == 0 and stale.untyped_storage().nbytes() == 0
+    assert pool.retained == MIN_BYTES
+    b = pool.empty(N, torch.float32, torch.device("cpu"))
+    assert b.data_ptr() == ptr and pool.hits == 1 and pool.retained == 0
+    assert b.untyped_storage()._cdata != a.untyped_storage()._cdata
+    # A different size is not served from it.
+    pool.drain(b.untyped_storage())
+    c = pool.empty(N + 1, torch.float32, torch.device("cpu"))
+    assert c.data_ptr() != ptr and pool.misses == 2
+
+
+def test_regrow_keeps_the_storage_so_saved_views_see_new_contents() -> None:
+    rt = CPURuntime()
+    buf = torch.zeros(N)
+    view = buf[10:20]  # what autograd saves of a parameter that is a view of the buffer
+    rt.free_after(buf, [])
+    assert buf.untyped_storage().nbytes() == 0
+    rt.regrow(buf)
+    assert buf.untyped_storage().nbytes() == N * 4
+    buf.copy_(torch.arange(N, dtype=torch.float32))
+    assert torch.equal(view, torch.arange(10, 20, dtype=torch.float32))
+
+
+def test_sizes_outside_the_range_and_other_devices_are_not_kept() -> None:
+    pool = HostBufferPool(64 << 20)
+    for nbytes in (MIN_BYTES - 4, MAX_BYTES):
+        t = pool.empty(nbytes // 4, torch.float32, torch.device("cpu"))
+        pool.drain(t.untyped_storage())
+        assert t.untyped_storage().nbytes() == 0
+    assert pool.retained == 0 and pool.hits == 0
+    meta = pool.empty(N, torch.float32, torch.device("meta"))
+    assert meta.device.type == "meta" and pool.retained == 0
+
+
+def test_size_bounds_what_is_kept_and_zero_turns_it_off() -> None:
+    pool = HostBufferPool(2 * MIN_BYTES)
+    bufs = [pool.empty(N, torch.float32, torch.device("cpu")) for _ in range(4)]
+    ptrs = [b.data_ptr() for b in bufs]
+    for b in bufs:
+        pool.drain(b.untyped_storage())
+    assert pool.retained == 2 * MIN_BYTES
+    # The least recently freed went first: the last two are the ones kept.
+    got = {pool.empty(N, torch.float32, torch.device("cpu")).data_ptr() for _ in range(2)}
+    assert got == set(ptrs[2:])
+    pool.drain(pool.empty(N, torch.float32, torch.device("cpu")).untyped_storage())
+    pool.set_max_bytes(0)
+    assert pool.retained == 0
+    t = pool.empty(N, torch.float32, torch.device("cpu"))
+    pool.drain(t.untyped_storage())
+    assert pool.retained == 0 and t.untyped_storage().nbytes() == 0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "16M", True])
+def test_a_bad_size_is_a_named_error(bad: object) -> None:
+    pool = HostBufferPool()
+    with pytest.raises(ValueError, match="host buffer pool size"):
+        pool.set_max_bytes(bad)  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 3), st.integers(0, 7)), max_size=40),
+    cap=st.integers(0, 6),
+)
+def test_live_buffers_never_share_memory_and_keep_their_contents(
+    ops: list[tuple[bool, int, int]], cap: int
+) -> None:
+    """Any sequence of allocations and frees (4 sizes, up to 6 buffers kept): every live buffer
+    still holds what was written into it, no two overlap, and the pool stays within its size."""
+    pool = HostBufferPool(cap * MIN_BYTES)
+    live: list[tuple[torch.Tensor, float]] = []
+    for n, (alloc, size, pick) in enumerate(ops):
+        if alloc or not live:
+            t = pool.empty(N * (size + 1), torch.float32, torch.device("cpu"))
+            t.fill_(float(n))
+            live.append((t, float(n)))
+        else:
+            t, _ = live.pop(pick % len(live))
+            pool.drain(t.untyped_storage())
+            assert t.untyped_storage().nbytes() == 0
+        assert pool.retained <= pool.max_bytes
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t, _ in live)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+        assert all(bool((t == v).all()) for t, v in live)
