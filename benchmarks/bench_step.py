@@ -114,8 +114,30 @@ def _build(
             kw["bucket_bytes"] = bucket
         fully_shard(model, reshard_after_forward=raf, **kw)
     elif variant == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        # DDP all-reduces gradients only for what runs through its own forward: wrap the loss
+        # (calling the wrapped module's ``loss`` directly would skip every all-reduce).
+        model = torch.nn.parallel.DistributedDataParallel(_Loss(model))
     return model
+
+
+class _Loss(torch.nn.Module):
+    """``gpt.loss`` as a module's forward, for DDP to wrap."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.gpt.loss(idx, targets)
+
+
+def _replicas_equal(model: torch.nn.Module) -> bool:
+    """Whether every rank holds the same parameters (DDP: the gradients were all-reduced)."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    hi, lo = flat.clone(), flat.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+    return bool(torch.equal(hi, lo))
 
 
 def _collective_bytes(cfg: GPTConfig, ws: int, raf: bool) -> tuple[int, int]:
@@ -153,7 +175,7 @@ def _worker(
     if args.compile:
         # Each block's forward compiled with inductor (FSDP's hooks stay eager); warmup steps
         # absorb the compilation.
-        blocks = model.module.blocks if variant == "ddp" else model.blocks  # type: ignore[union-attr]
+        blocks = model.module.gpt.blocks if variant == "ddp" else model.blocks  # type: ignore[union-attr]
         for b in blocks:
             b.compile(backend="inductor")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -161,7 +183,7 @@ def _worker(
         from functional_fsdp import keep_neighbour_copies
 
         keep_neighbour_copies(model, opt)  # the neighbour's state after every step
-    loss_fn = model.module.loss if variant == "ddp" else model.loss  # type: ignore[union-attr]
+    loss_fn = model if variant == "ddp" else model.loss  # type: ignore[union-attr]
     times, losses = [], []
     for step in range(args.warmup + args.steps):
         x, y = synthetic_batch(cfg, args.batch, seed=1000 * step + rank)
@@ -191,6 +213,7 @@ def _worker(
         "peak_rss_mib": _peak_rss_mib(),
         "final_loss": losses[-1],
         "local_param_numel": local_numel,
+        "replicas_equal": _replicas_equal(model) if variant == "ddp" else True,
     }
     out.put(res)  # type: ignore[attr-defined]
     if ws > 1:
@@ -232,6 +255,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
                 ) from None
     for p in procs:
         p.join(timeout=60)
+    if not all(r["replicas_equal"] for r in results):
+        raise RuntimeError(f"variant {variant}: the ranks' parameters differ after training")
     step = max(r["step_ms"] for r in results)
     return {
         "variant": variant,
