@@ -36,7 +36,14 @@ from .comm import Communicator, PiecesCommunicator, Work, check_comm
 from .errors import StateError
 from .records import ShardedState
 from .reduction import PendingReduce, ReduceInput, empty_buffer
-from .transitions import PendingUnshard, copy_out, encode_unshard
+from .transitions import (
+    GatherInput,
+    PendingUnshard,
+    copy_out,
+    copy_out_rows,
+    encode_unshard,
+    gathers_in_place,
+)
 
 __all__ = [
     "Bucket",
@@ -173,9 +180,10 @@ def begin_unshard_coalesced(
 
     Each rank sends its groups' packed shards: with the pieces collectives, each member's as it
     is (one message per member and peer, no packing copy), otherwise side by side in one
-    message per peer. Either way they land rank-major in one output; when the
-    first member waits, the rank-major output is copied out into every member's buffer
-    (``intos[k]``, laid out as :func:`~.transitions.copy_out` lays out one group's) and freed.
+    message per peer. They land rank-major in one output (with the pieces collectives and
+    dim-0 members, only the peers' rows: this rank's are its shards); when the first member
+    waits, the output is copied out into every member's buffer (``intos[k]``, laid out as
+    :func:`~.transitions.copy_out` lays out one group's) and freed.
     Each handle then lands like a gather whose pieces arrived in its buffer. Identity codecs
     only, one wire dtype for the bucket.
 
@@ -198,6 +206,8 @@ def begin_unshard_coalesced(
             "coalesced unshard: a bucket's groups must share one wire dtype and identity "
             f"codecs (got dtypes {sorted(str(d) for d in dtypes)})"
         )
+    if comm.supports_pieces and all(gathers_in_place(s.layout) for s in states):
+        return _gather_peer_rows(states, encoded, comm, intos, async_op, guard, alloc, free)
     sizes = [e.tensor.numel() for e in encoded]
     total = sum(sizes)
     ws = comm.world_size
@@ -222,6 +232,47 @@ def begin_unshard_coalesced(
         (free or _free)(out)
         if send is not None:
             send.untyped_storage().resize_(0)
+
+    shared = CoalescedWork(work, hand_out)
+    return [
+        PendingUnshard(s.layout, s.rank, None, shared, s, into) for s, into in zip(states, intos)
+    ]
+
+
+def _gather_peer_rows(
+    states: Sequence[ShardedState],
+    encoded: Sequence[GatherInput],
+    comm: Communicator,
+    intos: Sequence[torch.Tensor],
+    async_op: bool,
+    guard: Callable[[tuple[torch.Tensor, ...]], AbstractContextManager[object]] | None,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None,
+    free: Callable[[torch.Tensor], None] | None,
+) -> list[PendingUnshard]:
+    """The pieces gather of dim-0 members: each member's shards go to every peer as they are
+    (one message per member and peer); the output holds only the peers' rows, and the
+    hand-out lays every member's rows out in its buffer from those and this rank's own shards
+    (no copy of this rank's row into the output, whose memory is ``(ws - 1) / ws`` of it)."""
+    sizes = [e.tensor.numel() for e in encoded]
+    total, ws, me = sum(sizes), comm.world_size, comm.rank
+    first = encoded[0].tensor
+    peers = [r for r in range(ws) if r != me]
+    out = (alloc or empty_buffer)(len(peers) * total, first.dtype, first.device)
+    parts = list(out.view(len(peers), total).split(sizes, dim=1))
+    outputs: list[list[torch.Tensor]] = [[] for _ in range(ws)]  # none for me: no local copy
+    for k, r in enumerate(peers):
+        outputs[r] = [p[k] for p in parts]
+    work = cast(PiecesCommunicator, comm).all_gather_pieces(
+        outputs, [e.tensor for e in encoded], async_op=async_op
+    )
+
+    def hand_out() -> None:
+        with contextlib.nullcontext() if guard is None else guard(tuple(intos)):
+            for s, e, part, into in zip(states, encoded, parts, intos):
+                rows = list(part.unbind(0))
+                rows.insert(me, e.tensor)
+                copy_out_rows(s.layout, rows, into)
+        (free or _free)(out)
 
     shared = CoalescedWork(work, hand_out)
     return [

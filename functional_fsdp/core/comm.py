@@ -155,7 +155,8 @@ class PiecesCommunicator(Communicator, Protocol):
         *,
         async_op: bool = False,
     ) -> Work:
-        """``outputs[r][i]`` receives rank ``r``'s ``inputs[i]``."""
+        """``outputs[r][i]`` receives rank ``r``'s ``inputs[i]`` (an empty ``outputs[rank]``:
+        no copy of this rank's own)."""
         ...
 
     def reduce_scatter_pieces(

@@ -291,6 +291,13 @@ def _uniform_dim0(layout: GroupLayout) -> bool:
     return layout.gather.uniform and all(d == 0 for d in layout.shard_dims)
 
 
+def gathers_in_place(layout: GroupLayout) -> bool:
+    """Whether ``layout``'s gathered rows can be laid out in its unsharded buffer row by row
+    (:func:`copy_out_rows`, or pieces received there): one dtype, every parameter sharded on
+    dim 0."""
+    return _uniform_dim0(layout)
+
+
 def _gather_input(
     state: ShardedState | PostForwardState,
     comm: Communicator,
@@ -493,6 +500,17 @@ def copy_out(layout: GroupLayout, output: torch.Tensor, buf: torch.Tensor) -> No
         return
     for dst, o, n in zip(outs, pack.offsets, pack.sizes):
         dst.copy_(rows.narrow(1, o, n))  # bytes: every region's dtype is copied exactly
+
+
+def copy_out_rows(layout: GroupLayout, rows: Sequence[torch.Tensor], buf: torch.Tensor) -> None:
+    """:func:`copy_out` from one packed row per rank (``rows[r]``: rank ``r``'s, e.g. this
+    rank's own shards as they are beside its peers' received rows) instead of one rank-major
+    output. Uniform dim-0 layouts only (:func:`gathers_in_place`)."""
+    ws = layout.world_size
+    pack, _ = C.wire(layout)
+    outs = [buf.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)]
+    for r, row in enumerate(rows):
+        torch.split_with_sizes_copy(row, list(pack.sizes), dim=0, out=[o[r] for o in outs])
 
 
 def full_views(layout: GroupLayout, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:

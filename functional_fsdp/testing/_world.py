@@ -81,7 +81,8 @@ class SimulatedComm:
         *,
         async_op: bool = False,
     ) -> Work:
-        """``outputs[r][i]`` receives rank ``r``'s ``inputs[i]``."""
+        """``outputs[r][i]`` receives rank ``r``'s ``inputs[i]`` (an empty ``outputs[rank]``:
+        no copy of this rank's own)."""
         values = self._group._exchange(self._rank, [t.detach().clone() for t in inputs])
         for r, vals in enumerate(values):
             for o, v in zip(outputs[r], vals):

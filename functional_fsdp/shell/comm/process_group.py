@@ -519,7 +519,8 @@ class ProcessGroupComm:
         kind: int = 1,
         name: str | None = None,
     ) -> Work:
-        """``outputs[r][i]`` receives rank ``r``'s ``inputs[i]`` (this rank's: a local copy)."""
+        """``outputs[r][i]`` receives rank ``r``'s ``inputs[i]`` (this rank's: a local copy,
+        none when ``outputs[rank]`` is empty)."""
         me, ws = self._rank, self._world_size
         if ws == 1:
             for o, t in zip(outputs[me], inputs):
