@@ -58,7 +58,7 @@ class HostBufferPool:
         _release(dropped)
 
     def _poolable(self, nbytes: int, device: torch.device) -> bool:
-        return device.type == "cpu" and MIN_BYTES <= nbytes < MAX_BYTES and self.max_bytes > 0
+        return MIN_BYTES <= nbytes < MAX_BYTES and self.max_bytes > 0 and device.type == "cpu"
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty ``storage`` ``nbytes`` of memory (kept memory of that size if any)."""
@@ -86,7 +86,7 @@ class HostBufferPool:
         nbytes = storage.nbytes()
         if nbytes == 0:
             return
-        if not self._poolable(nbytes, storage.device) or nbytes > self.max_bytes:
+        if nbytes > self.max_bytes or not self._poolable(nbytes, storage.device):
             storage.resize_(0)
             return
         held = torch.UntypedStorage(0, device=storage.device)
@@ -100,12 +100,11 @@ class HostBufferPool:
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A new 1-D buffer of ``numel`` ``dtype`` elements (``torch.empty``'s contents)."""
-        t = torch.empty(0, dtype=dtype, device=device)
-        nbytes = numel * t.element_size()
-        if not self._poolable(nbytes, t.device):
+        if not self._poolable(numel * dtype.itemsize, device):
             return torch.empty(numel, dtype=dtype, device=device)
+        t = torch.empty(0, dtype=dtype, device=device)
         storage = t.untyped_storage()
-        self.fill(storage, nbytes)
+        self.fill(storage, numel * dtype.itemsize)
         return t.set_(storage, 0, (numel,), (1,))
 
     def clear(self) -> None:
