@@ -169,13 +169,14 @@ def case_host_pool() -> dict[str, Any]:
     from functional_fsdp.shell.device.pool import host_buffer_pool, set_host_buffer_pool_bytes
 
     pool = host_buffer_pool()
-    runs, hits = {}, {}
+    runs, hits, kept = {}, {}, {}
     for name, size in (("pooled", 16 << 20), ("unpooled", 0)):
         set_host_buffer_pool_bytes(size)
         before = pool.hits
         model = _model("ours", 1 << 20, {}, POOL_CFG)
         _train(model, {}, POOL_CFG)
         hits[name] = pool.hits - before
+        kept[name] = pool.retained  # the end of each backward gave it back
         runs[name] = _full(model)
     set_host_buffer_pool_bytes(16 << 20)
     theirs = _model("fsdp2", 0, {}, POOL_CFG)
@@ -185,6 +186,7 @@ def case_host_pool() -> dict[str, Any]:
         "equal": all(torch.equal(runs["pooled"][k], runs["unpooled"][k]) for k in t),
         "equal_fsdp2": all(torch.equal(t[k], runs["pooled"][k]) for k in t),
         "hits": hits,
+        "kept": kept,
     }
 
 
@@ -287,6 +289,7 @@ def test_host_buffer_pool_changes_no_bits(world2) -> None:
     assert all(r["equal"] and r["equal_fsdp2"] for r in res), res
     # Not vacuous: the pooled run reused memory every step, the unpooled one never did.
     assert all(r["hits"]["pooled"] > 10 and r["hits"]["unpooled"] == 0 for r in res), res
+    assert all(r["kept"] == {"pooled": 0, "unpooled": 0} for r in res), res
 
 
 @pytest.mark.multiprocess

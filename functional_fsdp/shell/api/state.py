@@ -393,6 +393,11 @@ class FSDPState:
         for s in self.all_states:
             for use in s.tied:
                 use.finish()
+        # Nothing is in flight until the next forward: memory kept for reuse goes back now
+        # (the optimizer step and the forward's start run without it).
+        runtime = next((s.group.runtime for s in self.all_states if s.group is not None), None)
+        if runtime is not None:
+            runtime.release_kept()
 
     def reset(self) -> None:
         """``reset_iter_state``: drop in-flight work, reshard, go idle (after an exception)."""

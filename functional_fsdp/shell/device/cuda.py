@@ -119,6 +119,9 @@ class CudaRuntime:
         """``torch.empty`` (the caching allocator reuses memory)."""
         return torch.empty(numel, dtype=dtype, device=device)
 
+    def release_kept(self) -> None:
+        """Nothing (the caching allocator keeps its own)."""
+
     def regrow(self, tensor: torch.Tensor) -> None:
         """``resize_`` (the caching allocator reuses memory)."""
         tensor.untyped_storage().resize_(spanned_bytes(tensor))

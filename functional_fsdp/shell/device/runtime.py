@@ -125,6 +125,10 @@ class DeviceRuntime(Protocol):
         that autograd saved see the new contents)."""
         ...
 
+    def release_kept(self) -> None:
+        """The backward is over: give back memory kept for reuse."""
+        ...
+
 
 class CPURuntime:
     """One stream; every operation is complete when it returns (today's CPU behaviour)."""
@@ -188,3 +192,7 @@ class CPURuntime:
     def regrow(self, tensor: torch.Tensor) -> None:
         """From the host buffer pool (:mod:`.pool`)."""
         self._pool.fill(tensor.untyped_storage(), spanned_bytes(tensor))
+
+    def release_kept(self) -> None:
+        """Empty the host buffer pool: it refills within the next forward's first buckets."""
+        self._pool.clear()

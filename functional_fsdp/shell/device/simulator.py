@@ -224,6 +224,9 @@ class StreamSimulator:
         """``torch.empty`` (the simulator checks orders, not memory reuse)."""
         return torch.empty(numel, dtype=dtype, device=device)
 
+    def release_kept(self) -> None:
+        """Nothing (the simulator keeps nothing)."""
+
     def regrow(self, tensor: torch.Tensor) -> None:
         """``resize_``, as the CPU did before the host buffer pool."""
         tensor.untyped_storage().resize_(spanned_bytes(tensor))
