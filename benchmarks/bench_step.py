@@ -21,6 +21,9 @@ parameters and Adam state after each step: the cost of surviving a lost rank). `
 (``fully_shard(model, bucket_bytes=B)``: ``4M``, ``512K``, bytes; ``ours:0`` is one collective
 per group, as FSDP2). ``--micro-batches K`` splits each rank's batch into ``K`` accumulated micro-batches, gradient sync
 on the last only (DDP: ``no_sync``), as FSDP2's accumulation recipe does.
+``FFSDP_HOST_POOL_BYTES=N`` in the environment sizes ours' host buffer pool for every variant of
+the run (0: off; ``set_host_buffer_pool_bytes``). DDP runs its loss through its own forward, and
+the run fails unless its ranks end with equal parameters (proof that it all-reduced).
 """
 
 from __future__ import annotations
