@@ -231,7 +231,7 @@ def begin_unshard_coalesced(
                 copy_out(s.layout, part, into)
         (free or _free)(out)
         if send is not None:
-            send.untyped_storage().resize_(0)
+            _free(send)
 
     shared = CoalescedWork(work, hand_out)
     return [
