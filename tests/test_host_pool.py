@@ -79,6 +79,17 @@ def test_size_bounds_what_is_kept_and_zero_turns_it_off() -> None:
     assert pool.retained == 0 and t.untyped_storage().nbytes() == 0
 
 
+def test_without_storage_moves_nothing_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a torch without ``_swap_data_ptr_`` the pool is plain allocation and ``resize_(0)``."""
+    monkeypatch.setattr("functional_fsdp.shell.device.pool.CAN_MOVE", False)
+    pool = HostBufferPool(1 << 20)
+    t = pool.empty(N, torch.float32, torch.device("cpu"))
+    pool.drain(t.untyped_storage())
+    assert t.untyped_storage().nbytes() == 0 and pool.retained == 0
+    pool.fill(t.untyped_storage(), MIN_BYTES)
+    assert t.untyped_storage().nbytes() == MIN_BYTES and pool.hits == 0
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "16M", True])
 def test_a_bad_size_is_a_named_error(bad: object) -> None:
     pool = HostBufferPool()

@@ -33,6 +33,9 @@ MIN_BYTES = 64 << 10
 MAX_BYTES = 4 << 20
 #: Default retained bytes (``FFSDP_HOST_POOL_BYTES`` overrides).
 DEFAULT_BYTES = 16 << 20
+#: Whether this torch can move memory between storages (a private method, present in the
+#: supported releases); without it the pool keeps nothing and every buffer is new, as before.
+CAN_MOVE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 class HostBufferPool:
@@ -58,7 +61,12 @@ class HostBufferPool:
         _release(dropped)
 
     def _poolable(self, nbytes: int, device: torch.device) -> bool:
-        return MIN_BYTES <= nbytes < MAX_BYTES and self.max_bytes > 0 and device.type == "cpu"
+        return (
+            MIN_BYTES <= nbytes < MAX_BYTES
+            and self.max_bytes > 0
+            and device.type == "cpu"
+            and CAN_MOVE
+        )
 
     def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the empty ``storage`` ``nbytes`` of memory (kept memory of that size if any)."""
