@@ -401,9 +401,7 @@ def begin_unshard(
     ):
         ws, pack = lay.world_size, lay.gather
         sends = [inp.narrow(0, o, n) for o, n in zip(pack.offsets, pack.sizes)]
-        regions = [
-            into.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)
-        ]
+        regions = _rank_regions(into, pack, ws)
         recvs = [[reg[r] for reg in regions] for r in range(ws)]
         pcomm = cast(PiecesCommunicator, comm)
         pieces = pcomm.all_gather_pieces(recvs, sends, async_op=async_op)
@@ -494,7 +492,7 @@ def copy_out(layout: GroupLayout, output: torch.Tensor, buf: torch.Tensor) -> No
         for i in range(len(layout)):
             _copy_out_one(layout, rows, buf, i)
         return
-    outs = [buf.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)]
+    outs = _rank_regions(buf, pack, ws)
     if pack.uniform:
         torch.split_with_sizes_copy(rows, list(pack.sizes), dim=1, out=outs)
         return
@@ -508,9 +506,15 @@ def copy_out_rows(layout: GroupLayout, rows: Sequence[torch.Tensor], buf: torch.
     output. Uniform dim-0 layouts only (:func:`gathers_in_place`)."""
     ws = layout.world_size
     pack, _ = C.wire(layout)
-    outs = [buf.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)]
+    outs = _rank_regions(buf, pack, ws)
     for r, row in enumerate(rows):
         torch.split_with_sizes_copy(row, list(pack.sizes), dim=0, out=[o[r] for o in outs])
+
+
+def _rank_regions(buf: torch.Tensor, pack: L.PackLayout, ws: int) -> list[torch.Tensor]:
+    """Each packed region of an unsharded buffer as ``(ws, n)``: row ``r`` is where rank
+    ``r``'s piece of that parameter lies (the layout :func:`copy_out` makes)."""
+    return [buf.narrow(0, ws * o, ws * n).view(ws, n) for o, n in zip(pack.offsets, pack.sizes)]
 
 
 def full_views(layout: GroupLayout, buf: torch.Tensor) -> tuple[torch.Tensor, ...]:
