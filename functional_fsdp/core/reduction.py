@@ -21,6 +21,7 @@ import torch
 from . import layout as L
 from .comm import (
     Communicator,
+    DoneWork,
     PiecesCommunicator,
     Work,
     check_comm,
@@ -308,7 +309,7 @@ def issue_reduce(
         rin.replicate_comm,
         rin.all_reduce,
         residual,
-        rin.packed,
+        None if out is rin.packed else rin.packed,  # an output is never freed as an input
     )
 
 
@@ -357,6 +358,10 @@ def _reduce_packed(
             async_op=async_op,
             alloc=alloc,
         )
+    if lay.world_size == 1:
+        # One rank: the packed input is the reduction. It becomes the output (the caller must
+        # not free it as an input: issue_reduce hands it over as the output only).
+        return inp, DoneWork(), sharded.residual
     out = alloc(inp.numel() // lay.world_size, inp.dtype, inp.device)
     work = collective_or_copy(
         lay.world_size,

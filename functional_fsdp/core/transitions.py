@@ -31,6 +31,7 @@ from . import codec as C
 from . import layout as L
 from .comm import (
     Communicator,
+    DoneWork,
     PiecesCommunicator,
     Work,
     check_comm,
@@ -406,6 +407,17 @@ def begin_unshard(
         pcomm = cast(PiecesCommunicator, comm)
         pieces = pcomm.all_gather_pieces(recvs, sends, async_op=async_op)
         return PendingUnshard(lay, state.rank, None, pieces, source, into, kept, input=fresh)
+    if (
+        into is not None
+        and metadata is None
+        and isinstance(state, ShardedState)
+        and comm.world_size == 1
+        and _uniform_dim0(lay)
+    ):
+        # One rank: its packed row already is the per-parameter layout of the buffer. One copy
+        # into it, no all-gather output and no copy-out (two copies of the group otherwise).
+        into.copy_(inp)
+        return PendingUnshard(lay, state.rank, None, DoneWork(), source, into, kept, input=fresh)
     # world_size rows of the wire packing (a PostForwardState's sub-group sends several rows).
     ranks = comm.world_size
     out = (alloc or empty_buffer)(ranks * inp.numel(), inp.dtype, inp.device)
