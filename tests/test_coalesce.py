@@ -23,6 +23,7 @@ from strategies import param_trees, world_sizes
 from functional_fsdp.core.coalesce import (
     begin_unshard_coalesced,
     issue_reduce_coalesced,
+    packs_members,
     plan_buckets,
 )
 from functional_fsdp.core.codec import wire
@@ -134,17 +135,28 @@ def _full(model: Any) -> dict[str, torch.Tensor]:
 def case_equal(opts: dict[str, Any], with_fsdp2: bool) -> dict[str, Any]:
     """Ours coalesced vs ours per group (and FSDP2): ``torch.equal`` on every parameter."""
 
+    import os
+
     runs = {}
     counts = {}
-    for name, size in (("alone", 0), ("coalesced", 1 << 20)):
-        model = _model("ours", size, opts)
-        before = _collectives(model)
-        _train(model, opts)
-        counts[name] = _collectives(model) - before
-        runs[name] = _full(model)
-        if name == "coalesced":
-            sched = model.communication_schedule()
+    if opts.get("member_messages"):  # every member its own message (read by new communicators)
+        os.environ["FFSDP_PIECES_MIN_BYTES"] = "0"
+    try:
+        for name, size in (("alone", 0), ("coalesced", 1 << 20)):
+            model = _model("ours", size, opts)
+            before = _collectives(model)
+            _train(model, opts)
+            counts[name] = _collectives(model) - before
+            runs[name] = _full(model)
+            if name == "coalesced":
+                sched = model.communication_schedule()
+                group = model.blocks[0]._ffsdp_state.group
+                pack, dtype = wire(group.layout)
+                packs = packs_members(group.comm, [pack.total * dtype.itemsize] * 2)
+    finally:
+        os.environ.pop("FFSDP_PIECES_MIN_BYTES", None)
     out: dict[str, Any] = {
+        "packs_members": packs,
         "equal": all(torch.equal(runs["alone"][k], runs["coalesced"][k]) for k in runs["alone"]),
         "forward_buckets": len(sched.forward),
         "backward_buckets": len(sched.backward),
@@ -262,6 +274,7 @@ CASES = {
     "raf_false": ({"raf": False}, False),
     "no_sync": ({"no_sync": True}, False),
     "explicit_prefetch": ({"explicit_prefetch": True}, False),
+    "member_messages": ({"member_messages": True}, True),
 }
 
 
@@ -279,6 +292,9 @@ def test_coalesced_equals_one_collective_per_group(world2, name: str) -> None:
     # Not vacuous: buckets of several groups, and fewer collectives than one per group.
     assert r["forward_buckets"] < r["groups"] and r["backward_buckets"] < r["groups"], r
     assert r["collectives"]["coalesced"] < r["collectives"]["alone"], r
+    # These blocks are small: their buckets gather in one packed message per peer, unless
+    # every member is made to travel as its own message.
+    assert all(x["packs_members"] == (name != "member_messages") for x in res), r
 
 
 @pytest.mark.multiprocess
@@ -367,12 +383,14 @@ def test_members_packed_into_one_send_buffer_reduce_the_same(
     trees=st.lists(param_trees(dtypes=[torch.float32], max_leaves=3), min_size=1, max_size=3),
     ws=world_sizes(),
     pieces=st.booleans(),
+    packed_members=st.booleans(),
 )
 def test_coalesced_unshard_lands_every_member_as_alone(
-    trees: list[Any], ws: int, pieces: bool
+    trees: list[Any], ws: int, pieces: bool, packed_members: bool
 ) -> None:
-    """One all-gather for a bucket (packed, or one message per member and peer with the pieces
-    collectives) lands each member's full parameters as its own gather does."""
+    """One all-gather for a bucket (packed, or with the pieces collectives one message per
+    member and peer, or for small members one packed message per peer) lands each member's
+    full parameters as its own gather does."""
 
     def rank(c: Any) -> tuple[list[Any], list[Any]]:
         states = [shard(t, world_size=ws, rank=c.rank) for t in trees]
@@ -382,9 +400,29 @@ def test_coalesced_unshard_lands_every_member_as_alone(
         joined = [finish_unshard(p, into=i).params for p, i in zip(pendings, intos)]
         return alone, joined
 
-    for alone, joined in SimulatedWorld(ws, pieces=pieces).run(rank):
+    # A huge pieces_min_bytes makes every bucket's members small (packs_members); single
+    # groups then take the packed path too.
+    world = SimulatedWorld(ws, pieces=pieces, pieces_min_bytes=(1 << 40) if packed_members else 0)
+    for alone, joined in world.run(rank):
         for a, b in zip(alone, joined):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class _Declares:
+    supports_pieces = True
+    pieces_min_bytes = 1 << 20  # gloo's
+
+
+def test_small_members_travel_packed_and_block_sized_ones_alone() -> None:
+    """``packs_members``: the tiny benchmark's members (6.5 KiB rows) share one message per
+    peer; the deep model's (393 KiB rows) keep one each; nothing packs where the pieces
+    collectives are not offered."""
+    comm: Any = _Declares()
+    assert packs_members(comm, [6656] * 33)
+    assert not packs_members(comm, [393 << 10] * 5)
+    assert packs_members(comm, [(64 << 10) - 1] * 3) and not packs_members(comm, [64 << 10] * 3)
+    comm.supports_pieces = False
+    assert not packs_members(comm, [6656] * 33)
 
 
 def test_pack_grads_into_a_wrong_buffer_is_a_named_error() -> None:

@@ -290,11 +290,23 @@ def case_paths_on_the_simulator() -> dict[str, Any]:
             model = _raf_int(1) if recipe == "raf_int" else _build("ours", recipe)
         _train(model, recipe, steps=2)
         out[recipe] = runtime_of(model).operations  # type: ignore[attr-defined]
-    os.environ["FFSDP_PIECES_MIN_BYTES"] = "0"
-    _, on_sim = _trained("default", simulate=True)
-    _, on_cpu = _trained("default", simulate=False)
+    with _pieces_everywhere():
+        _, on_sim = _trained("default", simulate=True)
+        _, on_cpu = _trained("default", simulate=False)
     out["pieces equal"] = _same(on_sim, on_cpu)
     return out
+
+
+@contextlib.contextmanager
+def _pieces_everywhere() -> Iterator[None]:
+    """Communicators made inside take the pieces path for every group
+    (``FFSDP_PIECES_MIN_BYTES=0``); the worker's environment is restored after (the world's
+    processes serve the later test modules too)."""
+    os.environ["FFSDP_PIECES_MIN_BYTES"] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop("FFSDP_PIECES_MIN_BYTES", None)
 
 
 def _raf_int(k: int) -> Any:
@@ -329,9 +341,9 @@ def case_planted_bugs() -> dict[str, list[str]]:
     the all-gather wrote are made, and read, before the wait)."""
     found: dict[str, list[str]] = {}
     for bug in [*BUGS, "missing wait (pieces)", *(f"{b} (coalesced)" for b in BUGS)]:
-        if bug.endswith("(pieces)"):
-            os.environ["FFSDP_PIECES_MIN_BYTES"] = "0"
-        model = _build("ours", "default")
+        pieces = bug.endswith("(pieces)")
+        with _pieces_everywhere() if pieces else contextlib.nullcontext():
+            model = _build("ours", "default")
         if not bug.endswith("(coalesced)"):
             model.set_bucket_bytes(0)  # one collective per group: the messages below
         sim = use_runtime(model, StreamSimulator(strict=False))

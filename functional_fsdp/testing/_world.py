@@ -18,9 +18,12 @@ _TIMEOUT_S = 60.0
 class SimulatedGroup:
     """A group of simulated ranks with its own rendezvous (one per sub-group / mesh dim)."""
 
-    def __init__(self, ranks: Sequence[int], *, pieces: bool = False) -> None:
+    def __init__(
+        self, ranks: Sequence[int], *, pieces: bool = False, pieces_min_bytes: int = 0
+    ) -> None:
         self.ranks = tuple(ranks)
         self.pieces = pieces
+        self.pieces_min_bytes = pieces_min_bytes
         self._barrier = threading.Barrier(len(self.ranks), timeout=_TIMEOUT_S)
         self._slots: list[Any] = [None] * len(self.ranks)
         self.calls = 0
@@ -71,8 +74,9 @@ class SimulatedComm:
 
     @property
     def pieces_min_bytes(self) -> int:
-        """Every group takes the pieces collectives when offered (the tests want them)."""
-        return 0
+        """The world's ``pieces_min_bytes`` (0 by default: every group takes the pieces
+        collectives when offered, which the tests want)."""
+        return self._group.pieces_min_bytes
 
     def all_gather_pieces(
         self,
@@ -167,10 +171,18 @@ class SimulatedWorld:
         mesh_shape: optional 2-D ``(replicate, shard)`` shape for HSDP; ranks are row-major.
         pieces: offer the optional pieces collectives (as ``ProcessGroupComm`` does on gloo), so
             the core takes its unpacked paths.
+        pieces_min_bytes: what the communicators declare as ``pieces_min_bytes`` (gloo's is
+            1 MiB): groups smaller than this, and coalesced members averaging under 1/16 of it,
+            travel packed. 0 (the default) takes the pieces paths wherever they are offered.
     """
 
     def __init__(
-        self, world_size: int, *, mesh_shape: tuple[int, int] | None = None, pieces: bool = False
+        self,
+        world_size: int,
+        *,
+        mesh_shape: tuple[int, int] | None = None,
+        pieces: bool = False,
+        pieces_min_bytes: int = 0,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -181,7 +193,10 @@ class SimulatedWorld:
         self.world_size = world_size
         self.mesh_shape = mesh_shape
         self.pieces = pieces
-        self.world = SimulatedGroup(range(world_size), pieces=pieces)
+        self.pieces_min_bytes = pieces_min_bytes
+        self.world = SimulatedGroup(
+            range(world_size), pieces=pieces, pieces_min_bytes=pieces_min_bytes
+        )
         self._groups: dict[tuple[int, ...], SimulatedGroup] = {tuple(range(world_size)): self.world}
         # Ranks ask for sub-groups concurrently; without the lock two ranks could each create
         # (and wait on) their own copy of a group and never meet.
@@ -193,7 +208,9 @@ class SimulatedWorld:
         with self._lock:
             group = self._groups.get(key)
             if group is None:
-                group = self._groups[key] = SimulatedGroup(key, pieces=self.pieces)
+                group = self._groups[key] = SimulatedGroup(
+                    key, pieces=self.pieces, pieces_min_bytes=self.pieces_min_bytes
+                )
         return group
 
     def comm(self, rank: int) -> SimulatedComm:
@@ -252,7 +269,9 @@ class SimulatedWorld:
         # Barriers broken by an aborted run are replaced so the world can be reused.
         for key, g in list(self._groups.items()):
             if g._barrier.broken:
-                self._groups[key] = SimulatedGroup(key, pieces=self.pieces)
+                self._groups[key] = SimulatedGroup(
+                    key, pieces=self.pieces, pieces_min_bytes=self.pieces_min_bytes
+                )
                 if key == tuple(range(self.world_size)):
                     self.world = self._groups[key]
         first = next(
