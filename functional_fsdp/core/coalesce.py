@@ -276,15 +276,15 @@ def _gather_peer_rows(
     first = encoded[0].tensor
     peers = [r for r in range(ws) if r != me]
     out = (alloc or empty_buffer)(len(peers) * total, first.dtype, first.device)
-    parts = list(out.view(len(peers), total).split(sizes, dim=1))
+    peer_rows = out.view(len(peers), total)
+    parts = list(peer_rows.split(sizes, dim=1))
     outputs: list[list[torch.Tensor]] = [[] for _ in range(ws)]  # none for me: no local copy
     send: torch.Tensor | None = None
     if packs_members(comm, [e.tensor.numel() * e.tensor.element_size() for e in encoded]):
         send = (alloc or empty_buffer)(total, first.dtype, first.device)
         torch.cat([e.tensor for e in encoded], out=send)
-        rows_out = out.view(len(peers), total)
         for k, r in enumerate(peers):
-            outputs[r] = [rows_out[k]]
+            outputs[r] = [peer_rows[k]]
         inputs = [send]
     else:
         for k, r in enumerate(peers):

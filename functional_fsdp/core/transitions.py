@@ -396,28 +396,24 @@ def begin_unshard(
         into is not None
         and metadata is None
         and isinstance(state, ShardedState)
-        and lay.world_size > 1
-        and _uniform_dim0(lay)
-        and uses_pieces(comm, lay.unsharded_bytes)
-    ):
-        ws, pack = lay.world_size, lay.gather
-        sends = list(inp.narrow(0, 0, pack.total).split(pack.sizes))  # back to back
-        dsts = _rank_pieces(into, pack, ws)
-        recvs = [list(dsts[r::ws]) for r in range(ws)]
-        pcomm = cast(PiecesCommunicator, comm)
-        pieces = pcomm.all_gather_pieces(recvs, sends, async_op=async_op)
-        return PendingUnshard(lay, state.rank, None, pieces, source, into, kept, input=fresh)
-    if (
-        into is not None
-        and metadata is None
-        and isinstance(state, ShardedState)
-        and comm.world_size == 1
         and _uniform_dim0(lay)
     ):
-        # One rank: its packed row already is the per-parameter layout of the buffer. One copy
-        # into it, no all-gather output and no copy-out (two copies of the group otherwise).
-        into.copy_(inp)
-        return PendingUnshard(lay, state.rank, None, DoneWork(), source, into, kept, input=fresh)
+        # Straight into the buffer (no all-gather output, no copy-out) where it can be laid out
+        # as it arrives.
+        work: Work | None = None
+        if lay.world_size == 1:
+            # One rank: its packed row already is the per-parameter layout of the buffer.
+            into.copy_(inp)
+            work = DoneWork()
+        elif uses_pieces(comm, lay.unsharded_bytes):
+            ws, pack = lay.world_size, lay.gather
+            sends = list(inp.narrow(0, 0, pack.total).split(pack.sizes))  # back to back
+            dsts = _rank_pieces(into, pack, ws)
+            recvs = [list(dsts[r::ws]) for r in range(ws)]
+            pcomm = cast(PiecesCommunicator, comm)
+            work = pcomm.all_gather_pieces(recvs, sends, async_op=async_op)
+        if work is not None:
+            return PendingUnshard(lay, state.rank, None, work, source, into, kept, input=fresh)
     # world_size rows of the wire packing (a PostForwardState's sub-group sends several rows).
     ranks = comm.world_size
     out = (alloc or empty_buffer)(ranks * inp.numel(), inp.dtype, inp.device)

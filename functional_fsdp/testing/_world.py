@@ -194,13 +194,14 @@ class SimulatedWorld:
         self.mesh_shape = mesh_shape
         self.pieces = pieces
         self.pieces_min_bytes = pieces_min_bytes
-        self.world = SimulatedGroup(
-            range(world_size), pieces=pieces, pieces_min_bytes=pieces_min_bytes
-        )
+        self.world = self._new_group(tuple(range(world_size)))
         self._groups: dict[tuple[int, ...], SimulatedGroup] = {tuple(range(world_size)): self.world}
         # Ranks ask for sub-groups concurrently; without the lock two ranks could each create
         # (and wait on) their own copy of a group and never meet.
         self._lock = threading.Lock()
+
+    def _new_group(self, ranks: tuple[int, ...]) -> SimulatedGroup:
+        return SimulatedGroup(ranks, pieces=self.pieces, pieces_min_bytes=self.pieces_min_bytes)
 
     def group(self, ranks: Sequence[int]) -> SimulatedGroup:
         """The (cached) sub-group of ``ranks``; every member must use the same one."""
@@ -208,9 +209,7 @@ class SimulatedWorld:
         with self._lock:
             group = self._groups.get(key)
             if group is None:
-                group = self._groups[key] = SimulatedGroup(
-                    key, pieces=self.pieces, pieces_min_bytes=self.pieces_min_bytes
-                )
+                group = self._groups[key] = self._new_group(key)
         return group
 
     def comm(self, rank: int) -> SimulatedComm:
@@ -269,9 +268,7 @@ class SimulatedWorld:
         # Barriers broken by an aborted run are replaced so the world can be reused.
         for key, g in list(self._groups.items()):
             if g._barrier.broken:
-                self._groups[key] = SimulatedGroup(
-                    key, pieces=self.pieces, pieces_min_bytes=self.pieces_min_bytes
-                )
+                self._groups[key] = self._new_group(key)
                 if key == tuple(range(self.world_size)):
                     self.world = self._groups[key]
         first = next(
