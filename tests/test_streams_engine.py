@@ -170,6 +170,39 @@ def test_one_rank_gathers_and_reduces_without_collectives_or_copies_out(
         assert _same(_full_params(ours), _full_params(plain))
 
 
+def test_one_rank_torch_func_and_summon_match_the_model_without_fsdp(one_rank: None) -> None:
+    """The one-rank gather and reduction on the other entry paths, against the same model
+    without FSDP: ``torch.func.grad`` through ``functional_call`` (the caller's parameters
+    gathered per call) and ``summon_full_params`` with writeback."""
+    from functional_fsdp import summon_full_params
+
+    ours = _build("ours", "default")
+    torch.manual_seed(0)
+    plain = GPT(CFG)
+    x, y = synthetic_batch(CFG, 2, seed=0)
+
+    def loss_of(model: Any) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+        def f(ps: dict[str, torch.Tensor]) -> torch.Tensor:
+            logits = torch.func.functional_call(model, ps, (x,))
+            return torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), y.reshape(-1)
+            )
+
+        return f
+
+    got = torch.func.grad(loss_of(ours))({n: p.detach() for n, p in ours.named_parameters()})
+    want = torch.func.grad(loss_of(plain))({n: p.detach() for n, p in plain.named_parameters()})
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n].full_tensor(), want[n]) for n in want)
+    with summon_full_params(ours, writeback=True):
+        full = {n: p.detach().clone() for n, p in ours.named_parameters()}
+        for p in ours.parameters():
+            p.data.mul_(2)
+    assert all(torch.equal(full[n], p) for n, p in plain.named_parameters())
+    doubled = _full_params(ours)
+    assert all(torch.equal(doubled[n], 2 * p) for n, p in plain.named_parameters())
+
+
 @pytest.mark.parametrize("recipe", ["default", "accum", "offload", "ckpt"])
 def test_training_on_the_simulator_has_the_cpu_runtimes_bits(one_rank: None, recipe: str) -> None:
     """Forward prefetch, backward re-gather, the reduce-scatter overlapping backward, no-sync
