@@ -46,6 +46,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from functional_fsdp.core.coalesce import plan_buckets
+from functional_fsdp.shell.api.buckets import DEFAULT_BUCKET_BYTES
 from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch
 
 
@@ -143,12 +145,16 @@ def _replicas_equal(model: torch.nn.Module) -> bool:
     return bool(torch.equal(hi, lo))
 
 
-def _collective_bytes(cfg: GPTConfig, ws: int, raf: bool) -> tuple[int, int]:
-    """Bytes each rank sends per step: (ours, FSDP2 on gloo).
+def _collective_bytes(
+    cfg: GPTConfig, ws: int, raf: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> tuple[int, int]:
+    """Bytes each rank sends per step: (ours with buckets of ``bucket_bytes``, FSDP2 on gloo).
 
-    Both all-gather the same shards (forward, and backward re-gathers when resharding; never the
-    root). Our reduce-scatter sends ``ws - 1`` chunks per rank; gloo's ``reduce_scatter_tensor``,
-    which FSDP2 calls, is an all-reduce inside gloo and sends twice that (ring all-reduce).
+    Both all-gather the same shards in forward, and FSDP2 gathers every block again in
+    backward when resharding (never the root); ours keeps the last forward bucket (when within
+    the bucket size) for the backward instead. Our reduce-scatter sends ``ws - 1`` chunks per
+    rank; gloo's ``reduce_scatter_tensor``, which FSDP2 calls, is an all-reduce inside gloo and
+    sends twice that (ring all-reduce).
     """
     model = GPT(cfg)
 
@@ -157,12 +163,17 @@ def _collective_bytes(cfg: GPTConfig, ws: int, raf: bool) -> tuple[int, int]:
         return sum(-(-p.shape[0] // ws) * (p[0].numel() if p.dim() > 1 else 1) for p in ps)
 
     root_params = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
-    groups = [shard_numel(root_params)] + [shard_numel(b.parameters()) for b in model.blocks]
+    blocks = [list(b.parameters()) for b in model.blocks]
+    groups = [shard_numel(root_params)] + [shard_numel(b) for b in blocks]
+    full = [4 * sum(p.numel() for p in ps) for ps in [root_params, *blocks]]  # forward order
+    cut = plan_buckets([str(i) for i in range(len(full))], full, [True] * len(full), bucket_bytes)
+    kept = {int(n) for n in cut[-1].groups} if cut[-1].unsharded_bytes <= bucket_bytes else set()
     ag = sum(g * (ws - 1) for g in groups)  # forward all-gathers
-    if raf:
-        ag += sum(g * (ws - 1) for g in groups[1:])  # backward re-gathers (not root)
     rs = sum(g * (ws - 1) for g in groups)
-    return 4 * (ag + rs), 4 * (ag + 2 * rs)
+    regather = [g * (ws - 1) for g in groups[1:]]  # backward re-gathers (not the root)
+    ours_ag = ag + sum(g for i, g in enumerate(regather, 1) if i not in kept) if raf else ag
+    fsdp2_ag = ag + sum(regather) if raf else ag
+    return 4 * (ours_ag + rs), 4 * (fsdp2_ag + 2 * rs)
 
 
 def _worker(

@@ -185,7 +185,9 @@ def case_host_pool() -> dict[str, Any]:
     for name, size in (("pooled", 16 << 20), ("unpooled", 0)):
         set_host_buffer_pool_bytes(size)
         before = pool.hits
-        model = _model("ours", 1 << 20, {}, POOL_CFG)
+        # Buckets of about two blocks: (root, b0), (b1, b2), (b3); the last is kept for the
+        # backward, the others gather again there through the pool.
+        model = _model("ours", 512 << 10, {}, POOL_CFG)
         _train(model, {}, POOL_CFG)
         hits[name] = pool.hits - before
         kept[name] = pool.retained  # the end of each backward gave it back
@@ -200,6 +202,40 @@ def case_host_pool() -> dict[str, Any]:
         "hits": hits,
         "kept": kept,
     }
+
+
+def case_kept_for_backward() -> dict[str, Any]:
+    """Which blocks keep their unsharded buffer from the forward into the backward: with
+    buckets of two blocks (the root rides with the first two), the last forward bucket's, after a forward that has a backward to
+    serve, unless the user chose ``reshard_after_forward``. The sharded parameters are
+    registered either way; the backward frees what it kept."""
+    from torch.distributed.tensor import DTensor
+
+    from functional_fsdp.testing.models import GPTConfig, synthetic_batch
+
+    def live(model: Any) -> list[bool]:
+        return [b._ffsdp_state.group.slot.live for b in model.blocks]
+
+    out: dict[str, Any] = {}
+    for name, opts in (("default", {}), ("explicit", {"raf": True})):
+        model = _model("ours", 0, opts)
+        block = model.blocks[0]._ffsdp_state.group.layout.unsharded_bytes
+        root = model._ffsdp_state.group.layout.unsharded_bytes  # smaller than a block
+        model.set_bucket_bytes(root + 2 * block)  # (root, b0, b1), (b2, b3), (b4, b5)
+        _train(model, opts)  # the first forward records the order the schedule is cut from
+        x, y = synthetic_batch(GPTConfig(**CFG), 4, seed=7)
+        with torch.no_grad():
+            model.loss(x, y)
+        out[f"{name} no_grad"] = live(model)
+        loss = model.loss(x, y)
+        out[f"{name} forward"] = live(model)
+        out[f"{name} last bucket"] = len(model.communication_schedule().forward[-1].groups)
+        out[f"{name} sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
+        before = _collectives(model)
+        loss.backward()
+        out[f"{name} backward collectives"] = _collectives(model) - before
+        out[f"{name} backward"] = live(model)
+    return out
 
 
 def _collectives(model: Any) -> int:
@@ -295,6 +331,23 @@ def test_coalesced_equals_one_collective_per_group(world2, name: str) -> None:
     # These blocks are small: their buckets gather in one packed message per peer, unless
     # every member is made to travel as its own message.
     assert all(x["packs_members"] == (name != "member_messages") for x in res), r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_last_forward_bucket_keeps_its_buffer_for_the_backward(world2) -> None:
+    n = CFG["n_layers"]
+    for r in world2.run(case_kept_for_backward):
+        k = r["default last bucket"]  # blocks, the last ones
+        assert 2 <= k < n, r
+        assert r["default forward"] == [False] * (n - k) + [True] * k, r
+        assert r["explicit forward"] == [False] * n, r
+        assert r["default no_grad"] == r["explicit no_grad"] == [False] * n, r
+        assert r["default backward"] == r["explicit backward"] == [False] * n, r
+        assert r["default sharded"] and r["explicit sharded"], r
+        # The kept bucket is not gathered again: one collective fewer in the backward (its
+        # members' gather was one).
+        assert r["default backward collectives"] == r["explicit backward collectives"] - 1, r
 
 
 @pytest.mark.multiprocess

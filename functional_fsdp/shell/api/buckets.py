@@ -60,6 +60,11 @@ class Schedule:
         forward: ``id(state)`` -> the states of its forward bucket, in forward order.
         backward: ``id(state)`` -> the states of its backward bucket, in backward order.
         reduce_buckets: the reduce buckets of the backward buckets of several groups.
+        kept: ``id(state)`` of the states of the last forward bucket that may share a
+            collective, when the bucket is no larger than the bucket size: their backward
+            comes first, so they keep their unsharded buffer from the forward (registered
+            sharded as any resharded group) instead of freeing it and gathering it again at
+            once.
     """
 
     record: CommunicationSchedule
@@ -67,11 +72,17 @@ class Schedule:
     forward: dict[int, tuple[Scheduled, ...]]
     backward: dict[int, tuple[Scheduled, ...]]
     reduce_buckets: tuple[ReduceBucket, ...]
+    kept: frozenset[int] = frozenset()
 
     def rest(self, state: Scheduled, backward: bool) -> tuple[Scheduled, ...]:
         """The states of ``state``'s bucket from ``state`` on (``()``: not scheduled)."""
         bucket = (self.backward if backward else self.forward).get(id(state), ())
         return bucket[bucket.index(state) :] if bucket else ()
+
+    def keeps(self, state: Scheduled) -> bool:
+        """Whether ``state`` keeps its unsharded buffer from its forward for the backward
+        (it is in the last forward bucket; see :attr:`kept`)."""
+        return id(state) in self.kept
 
     def is_last(self, state: Scheduled, backward: bool) -> bool:
         """Whether ``state`` ends its bucket (it prefetches the next one)."""
@@ -162,4 +173,10 @@ def derive(
                 g.join_reduce_bucket(bucket)
             reduce_buckets.append(bucket)
     record = CommunicationSchedule(max(bucket_bytes, 0), fwd, bwd)
-    return Schedule(record, gathers, fmembers, bmembers, tuple(reduce_buckets))
+    # The last forward bucket keeps its buffers for the backward: only groups that may share
+    # a collective (others keep FSDP2's gathers, e.g. a custom all-gather counts its calls),
+    # and only a bucket within the size.
+    last = fmembers.get(id(forward_order[-1]), ()) if forward_order else ()
+    fits = sum(s.group.layout.unsharded_bytes for s in last if s.group is not None) <= bucket_bytes
+    kept = frozenset(id(s) for s in last if fits and _eligible(s))
+    return Schedule(record, gathers, fmembers, bmembers, tuple(reduce_buckets), kept)

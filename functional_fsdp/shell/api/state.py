@@ -313,11 +313,13 @@ class FSDPState:
         if g is not None and not functional:
             # The root keeps its parameters only for the backward that follows; with no
             # backward to serve (no_grad, inference mode, nothing requires grad) it reshards
-            # like every other group.
+            # like every other group. So does the last forward bucket under the derived
+            # schedule (its backward comes first), unless the user chose how it reshards.
+            default = self.user_reshard_after_forward is None
+            plan = root.schedule() if tensors and default and root is not None else None
             g.post_forward(
-                force_reshard=not tensors
-                and self.is_root
-                and self.user_reshard_after_forward is None
+                force_reshard=not tensors and self.is_root and default,
+                keep=plan is not None and plan.keeps(self),
             )
         if not functional:
             for use in self.tied:

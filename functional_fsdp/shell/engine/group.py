@@ -587,17 +587,18 @@ class ParamGroup:
         outputs = self._registered_outputs()
         self.register_full(outputs if outputs is not None else self.views)
 
-    def post_forward(self, *, force_reshard: bool = False) -> None:
+    def post_forward(self, *, force_reshard: bool = False, keep: bool = False) -> None:
         """A module of this group finished its forward; after the last one, reshard as
-        configured (fully with ``force_reshard``: the root with no backward to serve), put the
-        sharded parameters back on the modules and go idle."""
+        configured (fully with ``force_reshard``: the root with no backward to serve; not at
+        all with ``keep``: the backward that follows needs it first), put the sharded
+        parameters back on the modules and go idle."""
         self.forward_done += 1
         if self.forward_done < self.forward_users:
             return
         self.ran_forward = True
         if not self.lent_open:  # else the last other group's use reshards (lent_done)
             self._reshard_after_forward(
-                True if force_reshard else self.config.reshard_after_forward
+                False if keep else True if force_reshard else self.config.reshard_after_forward
             )
         # The sharded DTensors go back on the modules after every forward, also where the
         # unsharded buffer stays for the backward (the root): model.parameters() are then
