@@ -235,6 +235,11 @@ def case_kept_for_backward() -> dict[str, Any]:
         loss.backward()
         out[f"{name} backward collectives"] = _collectives(model) - before
         out[f"{name} backward"] = live(model)
+        if name == "default":
+            # A block whose backward does not unshard has nothing to keep its buffer for.
+            model.blocks[-1].set_unshard_in_backward(False)
+            model.loss(x, y)  # the graph is dropped unused
+            out["no unshard in backward forward"] = live(model)
     return out
 
 
@@ -341,6 +346,9 @@ def test_last_forward_bucket_keeps_its_buffer_for_the_backward(world2) -> None:
         k = r["default last bucket"]  # blocks, the last ones
         assert 2 <= k < n, r
         assert r["default forward"] == [False] * (n - k) + [True] * k, r
+        assert r["no unshard in backward forward"] == [False] * (n - k) + [True] * (k - 1) + [
+            False
+        ], r
         assert r["explicit forward"] == [False] * n, r
         assert r["default no_grad"] == r["explicit no_grad"] == [False] * n, r
         assert r["default backward"] == r["explicit backward"] == [False] * n, r

@@ -596,6 +596,9 @@ class ParamGroup:
         if self.forward_done < self.forward_users:
             return
         self.ran_forward = True
+        # (A group whose backward does not unshard, set_unshard_in_backward(False), has
+        # nothing to keep its buffer for.)
+        keep = keep and self.config.unshard_in_backward
         if not self.lent_open:  # else the last other group's use reshards (lent_done)
             self._reshard_after_forward(
                 False if keep else True if force_reshard else self.config.reshard_after_forward
