@@ -45,12 +45,11 @@ from collections.abc import Iterator, Sequence
 import attrs
 import torch
 
+from .clocks import VectorClocks
 from .pool import spanned_bytes
 from .runtime import ROLES, Event, Stream
 
 __all__ = ["StreamOrderError", "StreamSimulator", "Violation"]
-
-_Clock = tuple[int, ...]
 
 
 class StreamOrderError(AssertionError):
@@ -99,8 +98,7 @@ class StreamSimulator:
             Stream(role, i + 1) for i, role in enumerate(ROLES)
         ]
         self.host = len(self.streams)  # the host is one more clock
-        n = len(self.streams) + 1
-        self._clocks: list[list[int]] = [[0] * n for _ in range(n)]
+        self._clocks = VectorClocks(len(self.streams) + 1)
         self._current = 0
         self._buffers: dict[int, _History] = {}
         self.violations: list[Violation] = []
@@ -128,35 +126,28 @@ class StreamSimulator:
 
     def wait_stream(self, waiter: Stream, producer: Stream) -> None:
         """``waiter`` has seen everything issued on ``producer`` so far."""
-        self._merge(waiter.index, tuple(self._clocks[producer.index]))
+        self._clocks.merge(waiter.index, self._clocks.snapshot(producer.index))
 
     def record(self, stream: Stream) -> Event:
         """An event holding ``stream``'s clock now."""
-        return Event(stream, clock=tuple(self._clocks[stream.index]))
+        return Event(stream, clock=self._clocks.snapshot(stream.index))
 
     def wait_event(self, stream: Stream, event: Event) -> None:
         """``stream`` has seen everything ``event`` saw."""
-        self._merge(stream.index, event.clock)
+        self._clocks.merge(stream.index, event.clock)
 
     def host_wait(self, event: Event) -> None:
         """The host has seen everything ``event`` saw."""
-        self._merge(self.host, event.clock)
-
-    def _merge(self, into: int, clock: _Clock) -> None:
-        mine = self._clocks[into]
-        for i, t in enumerate(clock):
-            if t > mine[i]:
-                mine[i] = t
+        self._clocks.merge(self.host, event.clock)
 
     def _tick(self, stream: int) -> int:
         # The host issues every operation, so each stream has seen what the host has.
-        self._merge(stream, tuple(self._clocks[self.host]))
-        self._clocks[stream][stream] += 1
+        self._clocks.merge(stream, self._clocks.snapshot(self.host))
         self.operations += 1
-        return self._clocks[stream][stream]
+        return self._clocks.tick(stream)
 
     def _seen(self, by: int, access: _Access) -> bool:
-        return access.stream == by or self._clocks[by][access.stream] >= access.tick
+        return self._clocks.seen(by, access.stream, access.tick)
 
     # ------------------------------------------------------------------ buffers
 
@@ -204,7 +195,7 @@ class StreamSimulator:
         """Check that every access of ``tensor`` is seen by ``events`` or the host, then free
         its storage (as the CPU runtime does)."""
         n = len(self.streams) + 1
-        seen = list(self._clocks[self.host])
+        seen = list(self._clocks.snapshot(self.host))
         for e in events:
             seen = [max(a, b) for a, b in zip(seen, e.clock or (0,) * n)]
         h = self._history(tensor)
