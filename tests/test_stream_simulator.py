@@ -108,36 +108,3 @@ def test_a_storage_that_dies_takes_its_history_along() -> None:
     del t
     gc.collect()
     assert key not in sim._buffers
-
-
-class _FakeEvent:
-    def __init__(self) -> None:
-        self.done = False
-
-    def query(self) -> bool:
-        return self.done
-
-
-def test_the_cuda_runtime_frees_by_event_and_a_reallocation_cancels_the_free() -> None:
-    """CudaRuntime's buffer lifetime logic (no GPU needed: its events are faked): a freed
-    tensor keeps its memory until its events complete, checked at every later call, and a
-    storage allocated again before that is not freed under its new user."""
-    from functional_fsdp.shell.device.cuda import CudaRuntime
-    from functional_fsdp.shell.device.runtime import Event, Stream
-
-    rt = CudaRuntime.__new__(CudaRuntime)
-    rt._deferred = {}
-    side = Stream("all_gather", 2)
-    ev = _FakeEvent()
-    t = torch.empty(8)
-    rt.free_after(t, [Event(side, ev)])
-    assert t.untyped_storage().size() == 32  # the all-gather stream may still use it
-    ev.done = True
-    rt.free_after(torch.empty(1), [])  # any later call polls
-    assert t.untyped_storage().size() == 0
-    ev2, u = _FakeEvent(), torch.empty(8)
-    rt.free_after(u, [Event(side, ev2)])
-    rt.allocated(side, u)  # in use again before the free ran
-    ev2.done = True
-    rt.free_after(torch.empty(1), [])
-    assert u.untyped_storage().size() == 32

@@ -92,6 +92,8 @@ def issue_gather(
         if stage_to is not None and isinstance(source, ShardedState):
             source, staged = _stage(rt, ci, source, stage_to)
         enc = T.encode_unshard(source, comm, codecs=codecs)
+        if enc.fresh:  # made on the copy-in stream (freed after the all-gather)
+            rt.allocated(ci, enc.tensor)
         if rt.checks:
             own = source.flat if isinstance(source, ShardedState) else source.rows
             made = [enc.tensor] if enc.fresh else []
@@ -148,6 +150,7 @@ def _stage(
     if flat.device == device and not rt.checks:
         return source, None
     moved = flat.to(device, non_blocking=True, copy=True)
+    rt.allocated(stream, moved)
     if rt.checks:
         rt.access(stream, "offload copy (host to device)", reads=[flat], writes=[moved])
     return attrs.evolve(source, flat=moved), moved
