@@ -27,6 +27,7 @@ from _dist import World
 from _fully_shard_helpers import _build, _full_params, _train
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.distributed.tensor import DTensor
 
 from functional_fsdp.shell.device.clocks import VectorClocks
 from functional_fsdp.shell.device.cuda import CudaRuntime
@@ -292,3 +293,41 @@ def test_two_ranks_training_frees_every_buffer_by_the_clocks(world2: World) -> N
         for r in res.values():
             _assert_freed_by_clocks(r)
 
+
+# ------------------------------------------------------------------ found on the H200
+
+
+def test_shard_like_wraps_the_tensor_itself_with_the_parameters_layout(one_rank: None) -> None:
+    """``shard_like`` (gradients, optimizer moments and new shards wrapped like a parameter)
+    wraps the very tensor it is given: ``DTensor.from_local`` copies a host tensor to a CUDA
+    mesh's device, which under CPU offload put the first AdamW step's moments on the GPU beside
+    host shards (the H200 run of ``benchmarks/bench_cuda.py``: the second step failed on mixed
+    devices). On the CPU the device cannot differ, so what is checked is that nothing is copied
+    or viewed, and that the layout is the parameter's with the tensor's own dtype."""
+    from functional_fsdp.shell.engine.dtensors import shard_like
+
+    model = _build("ours", "offload")
+    p = next(model.parameters())
+    for dtype in (torch.float32, torch.bfloat16):
+        local = torch.zeros_like(p._local_tensor, dtype=dtype)
+        dt = shard_like(local, p)
+        assert dt._local_tensor is local and dt.dtype == dtype
+        assert dt.placements == p.placements and dt.shape == p.shape
+        assert dt.stride() == p.stride() and dt.device_mesh == p.device_mesh
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, "offload", steps=1)  # (its own optimizer; then one step of this one)
+    x, y = synthetic_batch_for_cfg()
+    model.loss(x, y).backward()
+    opt.step()  # on local shards: the moments it made are wrapped as they are
+    for q in model.parameters():
+        m = opt.state[q]["exp_avg"]
+        assert isinstance(m, DTensor) and m._local_tensor._base is None
+        assert m._local_tensor.device == q._local_tensor.device
+
+
+def synthetic_batch_for_cfg() -> tuple[torch.Tensor, torch.Tensor]:
+    from _fully_shard_helpers import CFG
+
+    from functional_fsdp.testing.models import synthetic_batch
+
+    return synthetic_batch(CFG, 2, seed=5)

@@ -39,6 +39,8 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from .dtensors import shard_like
+
 # Optimizers whose every op is elementwise on (parameter, gradient, state) of one parameter:
 # running them on local shards is running DTensor's own per-shard ops. Exact types only (a
 # subclass may add any op).
@@ -213,14 +215,7 @@ def _restore(opt: torch.optim.Optimizer) -> None:
             if old is not None and v is old._local_tensor:
                 st[k] = old
             elif isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and _like(v, local):
-                st[k] = DTensor.from_local(
-                    v,
-                    p.device_mesh,
-                    p.placements,
-                    run_check=False,
-                    shape=p.shape,
-                    stride=p.stride(),
-                )
+                st[k] = shard_like(v, p)  # where the step made it (the host under offload)
         if st or had:
             state[p] = st
 

@@ -18,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ...core.errors import LayoutMismatchError
+from ..engine.dtensors import shard_like
 from ..engine.group import ParamGroup, TrainingState
 
 __all__ = ["readopt_after_load"]
@@ -97,14 +98,7 @@ def readopt_replaced(
         if _same_sharding(new, ref):
             continue
         local = _local_for(new, ref, group, sp.index, why)
-        dt = DTensor.from_local(
-            local,
-            ref.device_mesh,
-            ref.placements,
-            run_check=False,
-            shape=ref.shape,
-            stride=ref.stride(),
-        )
+        dt = shard_like(local, ref)  # where the new tensor is (from_local: to the mesh device)
         if warn_new_objects:
             warnings.warn(
                 f"{why}: {sp.fqn!r} of {group.name!r} is not a DTensor with "

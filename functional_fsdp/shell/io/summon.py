@@ -32,11 +32,11 @@ import attrs
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from ...core import transitions as T
 from ...core.errors import PolicyError, StateError
 from ...core.records import GroupLayout, ShardedState, UnshardedState
+from ..engine.dtensors import shard_like
 from ..engine.group import ParamGroup, TrainingState
 from ..engine.group_common import profiled
 
@@ -414,13 +414,7 @@ class _Summoned:
             if local is None:
                 dp.grad = None
             elif dp.grad is None:
-                dp.grad = DTensor.from_local(
-                    local.to(dp.device),
-                    dp.device_mesh,
-                    dp.placements,
-                    run_check=False,
-                    shape=dp.shape,
-                    stride=dp.stride(),
-                )
+                # Beside the shard (on the host under CPU offload, as the reduction puts it).
+                dp.grad = shard_like(local.to(dp._local_tensor.device), dp)
             else:
                 dp.grad.to_local().copy_(local)

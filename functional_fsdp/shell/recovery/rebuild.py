@@ -62,6 +62,7 @@ from ...core.recovery import (
 )
 from ...core.reproducible import ReproduciblePolicy
 from ..comm.process_group import ProcessGroupComm
+from ..engine.dtensors import shard_like
 from .copies import HeldCopy, NeighbourCopies, _local, keep_neighbour_copies, model_groups
 
 __all__ = ["Rebuilt", "rebuild_on_survivors", "release_spares", "stand_by"]
@@ -440,11 +441,5 @@ def _write(
                     continue  # restarted before the first step: no optimizer state yet
                 state: dict[str, Any] = {k: v[i].clone() for k, v in scalars.items()}
                 for k, m in moved.items():
-                    state[k] = DTensor.from_local(
-                        m.local(i).clone(),
-                        p.device_mesh,
-                        p.placements,
-                        shape=p.shape,
-                        stride=p.stride(),
-                    )
+                    state[k] = shard_like(m.local(i).clone().to(_local(p).device), p)
                 optimizer.state[p] = state
