@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from functional_fsdp.core.coalesce import plan_buckets
 from functional_fsdp.shell.api.buckets import DEFAULT_BUCKET_BYTES
-from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch
+from functional_fsdp.testing.models import GPT, GPTConfig, GPTLoss, synthetic_batch
 
 
 def _mallopt() -> None:
@@ -121,19 +121,8 @@ def _build(
     elif variant == "ddp":
         # DDP all-reduces gradients only for what runs through its own forward: wrap the loss
         # (calling the wrapped module's ``loss`` directly would skip every all-reduce).
-        model = torch.nn.parallel.DistributedDataParallel(_Loss(model))
+        model = torch.nn.parallel.DistributedDataParallel(GPTLoss(model))
     return model
-
-
-class _Loss(torch.nn.Module):
-    """``gpt.loss`` as a module's forward, for DDP to wrap."""
-
-    def __init__(self, gpt: GPT) -> None:
-        super().__init__()
-        self.gpt = gpt
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.gpt.loss(idx, targets)
 
 
 def _replicas_equal(model: torch.nn.Module) -> bool:

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPT", "GPTConfig", "pattern_batch", "synthetic_batch"]
+__all__ = ["GPT", "GPTConfig", "GPTLoss", "pattern_batch", "synthetic_batch"]
 
 
 @attrs.frozen
@@ -74,6 +74,18 @@ class GPT(nn.Module):
         """Mean next-token cross-entropy."""
         logits = self(idx)
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class GPTLoss(nn.Module):
+    """``gpt.loss`` as a module's forward: what DDP wraps (DDP all-reduces gradients only for
+    what runs through its own forward; calling the wrapped GPT's ``loss`` would skip them)."""
+
+    def __init__(self, gpt: GPT) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.gpt.loss(idx, targets)
 
 
 def synthetic_batch(cfg: GPTConfig, batch: int, *, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
