@@ -52,3 +52,18 @@ def world4():
     w = World(4)
     yield w
     w.close(force=True)
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    """A 1-rank gloo world in this process (for a module's single-process cases)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

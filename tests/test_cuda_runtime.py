@@ -17,12 +17,10 @@ block only to later work on that stream. Here:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from _dist import World
 from _fully_shard_helpers import _build, _full_params, _train
 from hypothesis import given
@@ -220,19 +218,6 @@ def test_a_reallocation_cancels_a_deferred_free() -> None:
 
 
 # ------------------------------------------------------------------ the engine
-
-
-@pytest.fixture(scope="module")
-def one_rank() -> Iterator[None]:
-    """A 1-rank gloo world in this process."""
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _on_fake_cuda(recipe: str, bucket: int | None = None) -> tuple[CudaRuntime, dict[str, Any]]:
