@@ -188,6 +188,8 @@ def test_use_enters_and_leaves_streams_and_another_current_stream_is_a_new_clock
     assert rt.deferred == 1
     rt.wait_event(rt.compute, old)
     assert rt.deferred == 0 and buf.untyped_storage().size() == 0
+    cuda.current = compute.native  # back on the first stream: its clock, not a new one
+    assert rt.compute is compute
 
 
 def test_a_deferred_free_runs_when_a_later_call_finds_its_events_complete() -> None:

@@ -98,6 +98,10 @@ class CudaRuntime:
         self._compute_raw = self._cuda.raw_current()
         native = self._cuda.current_stream()
         self._compute = Stream("compute", self._clocks.add(), native)
+        # Each stream met as the current one keeps its clock (by raw handle): a loop that makes
+        # a new torch.cuda.Stream() current each step draws from torch's fixed stream pool, so
+        # the clocks stay few.
+        self._known = {self._compute_raw: self._compute}
         # Made on first use: fully_shard builds a runtime per group, the root's lazy init
         # then gives every group of the model the root's (one set of streams per model).
         self._side: dict[str, Stream] = {}
@@ -114,9 +118,12 @@ class CudaRuntime:
         inside :meth:`use` the stream current before it."""
         if not self._current:
             raw = self._cuda.raw_current()
-            if raw != self._compute_raw:  # another stream: a clock that has seen nothing
-                self._compute_raw = raw
-                self._compute = Stream("compute", self._clocks.add(), self._cuda.current_stream())
+            if raw != self._compute_raw:  # another stream (new: a clock that has seen nothing)
+                s = self._known.get(raw)
+                if s is None:
+                    native = self._cuda.current_stream()
+                    s = self._known[raw] = Stream("compute", self._clocks.add(), native)
+                self._compute_raw, self._compute = raw, s
         return self._compute
 
     def side_stream(self, role: str) -> Stream:
