@@ -51,7 +51,9 @@ class TorchCuda:
     on an H200 host; the runtime asks at every call to know the compute stream), and the
     ``torch.cuda.stream`` context asks it twice more. Here the current stream is compared by
     its raw handle (``torch._C._cuda_getCurrentRawStream``, one C call) and a stream is entered
-    and left with ``torch.cuda.set_stream`` (the caller knows the stream to go back to).
+    and left with ``torch.cuda.set_stream`` (the caller knows the stream to go back to). That
+    also makes the stream's device current, as FSDP2 expects it to be already
+    (``torch.cuda.set_device`` before the mesh; DeviceMesh warns otherwise).
     """
 
     def __init__(self, device: torch.device) -> None:
