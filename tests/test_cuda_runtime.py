@@ -262,15 +262,41 @@ def test_one_rank_training_frees_every_buffer_by_the_clocks(one_rank: None, reci
     _assert_freed_by_clocks(_check(recipe))
 
 
+def test_the_functional_path_frees_every_buffer_by_the_clocks(one_rank: None) -> None:
+    """``make_train_step`` (a gather per call, the reductions handed to ``torch.autograd.grad``)
+    on the stand-in: the same frees by the clocks, the CPU runtime's bits."""
+    from functional_fsdp.functional import init, make_train_step, sgd
+
+    def run(fake: bool) -> tuple[list[torch.Tensor], CudaRuntime | None]:
+        model = _build("ours", "default")
+        rt = fake_runtime() if fake else None
+        if rt is not None:
+            use_runtime(model, rt)
+        opt = sgd(0.1, momentum=0.9)
+        step = make_train_step(model, lambda m, b: m.loss(*b), opt, grad_accum=2)
+        state = init(model, opt)
+        for s in range(2):
+            state, _ = step(state, synthetic_batch_for_cfg(s))
+        return [p.full_tensor() for p in state.params.values()], rt
+
+    got, rt = run(True)
+    want, _ = run(False)
+    assert rt is not None and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert rt.frees["by_query"] == 0 and rt.deferred == 0, rt.frees
+
+
 def case_two_ranks_free_by_the_clocks() -> dict[str, dict[str, Any]]:
     """Packed and coalesced gathers (all-gather outputs, copy-in buffers), reduce-scatters,
-    HSDP's all-reduce and no-sync accumulation, on 2 ranks."""
+    HSDP's all-reduce, no-sync accumulation, offload, bf16 casts and the rows kept after
+    forward for ``reshard_after_forward=2``, on 2 ranks."""
     return {
         "default": _check("default"),
         "one collective per group": _check("default", bucket=0),
         "hsdp": _check("hsdp"),
         "accum": _check("accum"),
         "offload": _check("offload"),
+        "bf16": _check("mp"),
+        "reshard_after_forward=2": _check("raf_int"),
     }
 
 
@@ -303,7 +329,7 @@ def test_shard_like_wraps_the_tensor_itself_with_the_parameters_layout(one_rank:
         assert dt.stride() == p.stride() and dt.device_mesh == p.device_mesh
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     _train(model, "offload", steps=1)  # (its own optimizer; then one step of this one)
-    x, y = synthetic_batch_for_cfg()
+    x, y = synthetic_batch_for_cfg(5)
     model.loss(x, y).backward()
     opt.step()  # on local shards: the moments it made are wrapped as they are
     for q in model.parameters():
@@ -312,9 +338,9 @@ def test_shard_like_wraps_the_tensor_itself_with_the_parameters_layout(one_rank:
         assert m._local_tensor.device == q._local_tensor.device
 
 
-def synthetic_batch_for_cfg() -> tuple[torch.Tensor, torch.Tensor]:
+def synthetic_batch_for_cfg(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     from _fully_shard_helpers import CFG
 
     from functional_fsdp.testing.models import synthetic_batch
 
-    return synthetic_batch(CFG, 2, seed=5)
+    return synthetic_batch(CFG, 4, seed=seed)
