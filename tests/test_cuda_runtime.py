@@ -34,13 +34,13 @@ from functional_fsdp.testing.streams import use_runtime
 
 class _FakeStream:
     def __init__(self) -> None:
-        self.waits = 0
+        self.waited: list[Any] = []  # the streams and events it waited for
 
     def wait_stream(self, other: _FakeStream) -> None:
-        self.waits += 1
+        self.waited.append(other)
 
-    def wait_event(self, event: _FakeEvent) -> None:
-        self.waits += 1
+    def wait_event(self, event: Any) -> None:
+        self.waited.append(event)
 
 
 class _FakeEvent:
@@ -283,6 +283,25 @@ def test_the_functional_path_frees_every_buffer_by_the_clocks(one_rank: None) ->
     want, _ = run(False)
     assert rt is not None and all(torch.equal(a, b) for a, b in zip(got, want))
     assert rt.frees["by_query"] == 0 and rt.deferred == 0, rt.frees
+
+
+def test_the_next_forward_waits_for_the_post_optimizer_event(one_rank: None) -> None:
+    """``set_post_optim_event`` (FSDP2's): an optimizer step on another stream writes the
+    shards the next forward gathers, so the copy-in and all-gather streams wait for the
+    user's event at the root's next pre-forward, once. (It was accepted and dropped: on CUDA
+    the gathers could read shards the optimizer was still writing.)"""
+    model = _build("ours", "default")
+    rt = fake_runtime()
+    use_runtime(model, rt)
+    _train(model, "default", steps=1)
+    ci, ag = rt.side_stream("copy_in").native, rt.side_stream("all_gather").native
+    event = _FakeEvent()
+    model.blocks[1].set_post_optim_event(event)  # any module of the tree: the root keeps it
+    x, y = synthetic_batch_for_cfg(1)
+    model.loss(x, y).backward()
+    assert ci.waited.count(event) == 1 and ag.waited.count(event) == 1
+    model.loss(x, y).backward()  # dropped after one forward, as FSDP2 does
+    assert ci.waited.count(event) == 1 and ag.waited.count(event) == 1
 
 
 def case_two_ranks_free_by_the_clocks() -> dict[str, dict[str, Any]]:

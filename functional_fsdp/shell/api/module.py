@@ -279,8 +279,16 @@ class FSDPModule(TorchFSDPModule):
             g.set_grad_compression(compression)
 
     def set_post_optim_event(self, event: Any) -> None:
-        """Accepted for compatibility; CPU collectives need no cross-stream event."""
-        del event
+        """FSDP2's: ``event`` (a ``torch.cuda.Event`` recorded after an optimizer step, e.g. on
+        another stream) is waited for by the next forward's all-gather streams, once.
+
+        On CUDA the copy-in and all-gather streams wait for it at the root's next pre-forward
+        (FSDP2 waits for it *instead of* the current stream; here every gather still waits for
+        the current stream too, which orders more but never less). On the CPU there are no
+        streams: nothing to wait for.
+        """
+        state = self._ffsdp_state
+        (state.root or state).post_optim_event = event
 
     # FSDP2's communication extension points (shell/custom_comm.py; docs/api.md).
 

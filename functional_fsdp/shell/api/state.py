@@ -72,6 +72,9 @@ class FSDPState:
         self.calls: list[list[bool]] = []
         # Root: a forward raised since the last reset; the next forward resets first.
         self.interrupted = False
+        # Root: the event the user recorded after the optimizer step (set_post_optim_event):
+        # the next forward's gather streams wait for it, then it is dropped (FSDP2's).
+        self.post_optim_event: Any = None
         # Parameters of other groups that this state's modules use (weights tied across
         # groups, engine/tied.py), and the root's: the lending groups' gathers of the
         # functional forward in progress, by group.
@@ -163,6 +166,17 @@ class FSDPState:
 
     # ------------------------------------------------------------------ forward
 
+    def _wait_post_optim_event(self, root: FSDPState) -> None:
+        """The gather streams wait for the user's post-optimizer event (an optimizer step on
+        another stream writes the shards this forward gathers), once."""
+        event, root.post_optim_event = root.post_optim_event, None
+        if event is None:
+            return
+        runtime = next((s.group.runtime for s in root.all_states if s.group is not None), None)
+        if runtime is not None:
+            for role in ("copy_in", "all_gather"):
+                runtime.wait_user_event(runtime.side_stream(role), event)
+
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Unshard this group (consuming a prefetch), prefetch the next, register full params."""
         label = "root_pre_forward" if self.root is None or self.is_root else "pre_forward"
@@ -200,6 +214,7 @@ class FSDPState:
             for s in root.all_states:
                 if s.group is not None:
                     s.group.start_iteration()
+            self._wait_post_optim_event(root)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if not root.order_recorded:

@@ -174,6 +174,10 @@ class CudaRuntime:
         self._clocks.merge(stream.index, event.clock)
         self._free_proven()
 
+    def wait_user_event(self, stream: Stream, event: Any) -> None:
+        """``stream.wait_event(event)`` for the user's event (no clock: it proves no free)."""
+        stream.native.wait_event(event)
+
     def host_wait(self, event: Event) -> None:
         """``event.synchronize()``."""
         event.native.synchronize()

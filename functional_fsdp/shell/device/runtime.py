@@ -97,6 +97,11 @@ class DeviceRuntime(Protocol):
         """The host blocks until ``event`` completes."""
         ...
 
+    def wait_user_event(self, stream: Stream, event: Any) -> None:
+        """Later work on ``stream`` runs after ``event``, a native event the user recorded
+        (``set_post_optim_event``); what it covers is unknown, so it proves no free."""
+        ...
+
     def access(
         self,
         stream: Stream,
@@ -167,6 +172,9 @@ class CPURuntime:
 
     def host_wait(self, event: Event) -> None:
         """Nothing to wait for."""
+
+    def wait_user_event(self, stream: Stream, event: Any) -> None:
+        """Nothing to wait for (no streams)."""
 
     def access(
         self,

@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -135,6 +136,9 @@ class StreamSimulator:
     def wait_event(self, stream: Stream, event: Event) -> None:
         """``stream`` has seen everything ``event`` saw."""
         self._clocks.merge(stream.index, event.clock)
+
+    def wait_user_event(self, stream: Stream, event: Any) -> None:
+        """Nothing: the simulator cannot know what a user's native event covers."""
 
     def host_wait(self, event: Event) -> None:
         """The host has seen everything ``event`` saw."""
