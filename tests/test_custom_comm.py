@@ -254,13 +254,19 @@ def case_share_comm_ctx() -> dict:
 
     from functional_fsdp import errors
     from functional_fsdp.shell.api.module import share_comm_ctx
+    from functional_fsdp.testing.streams import runtime_of
 
     out = {}
+    shared = []
     for which, share in (("torch", torch_share), ("ours", share_comm_ctx)):
         model, other = _build(which), _build(which)
         share([model, other])
         out[which] = {"losses": _train(model), "params": _full_params(model)}
+        if which == "ours":
+            _train(other)
+            shared = [runtime_of(model) is runtime_of(other)]
     res = _compare(out)
+    res["one runtime"] = shared == [True]
     try:
         share_comm_ctx([nn.Linear(2, 2)])
         res["error"] = None
@@ -447,6 +453,7 @@ def test_allocate_from_process_group_is_accepted(world2: World) -> None:
 
 def test_share_comm_ctx(world2: World) -> None:
     for res in world2.run(case_share_comm_ctx):
+        assert res.pop("one runtime"), "the two roots do not share one runtime"
         _bit_identical(res)
         assert res["error"] == "StateError"
 

@@ -466,16 +466,21 @@ def _check_fsdp_modules(modules: Iterable[Any]) -> None:
 
 
 def share_comm_ctx(modules: list[Any]) -> None:
-    """FSDP2's ``torch.distributed.fsdp.share_comm_ctx``: accepted, nothing to share here.
+    """FSDP2's ``torch.distributed.fsdp.share_comm_ctx``: the roots of ``modules`` (e.g.
+    pipeline-parallel model chunks) use one device runtime.
 
-    FSDP2 makes several roots (e.g. pipeline-parallel model chunks) share one communication
-    context: its CUDA all-gather, reduce-scatter and all-reduce streams and the buffers and
-    events kept on them, to avoid fragmenting memory across streams. Our engine runs its
-    collectives without side streams and keeps no cross-module communication state (each
-    group owns its buffers; every communicator over a process group is already shared, per
-    mesh), so there is nothing to share; the modules are checked as FSDP2 checks them.
+    FSDP2 shares its communication context (its CUDA all-gather, reduce-scatter and all-reduce
+    streams and what is kept on them) so that several roots do not fragment memory across
+    streams. Here every group under ``modules`` gets the first group's runtime: one set of side
+    streams and one free list on CUDA, one host buffer pool on the CPU. Call it before the
+    first forward, as FSDP2's docs say; each root's lazy init then keeps it (a root's groups
+    use their root group's runtime).
 
     Raises:
         StateError: an entry is not an :class:`FSDPModule` (a ``ValueError``, as FSDP2's).
     """
     _check_fsdp_modules(modules)
+    groups = [s.group for m in modules for s in _states(m, True) if s.group is not None]
+    if groups:
+        for g in groups[1:]:
+            g.use_runtime(groups[0].runtime)
