@@ -17,6 +17,7 @@ from ...core.coalesce import CommunicationSchedule
 from ...core.errors import PolicyError, StateError, TiedParameterError
 from ...core.records import MixedPrecisionPolicy
 from ..comm.scoped import introduce, resync
+from ..device.runtime import DeviceRuntime
 from ..engine.coalesced import start_together
 from ..engine.group import ParamGroup, ReduceChain
 from ..engine.group_common import profiled, traced
@@ -155,7 +156,7 @@ class FSDPState:
         chain = ReduceChain()
         # One device runtime per model (one set of streams and events): the root's group's,
         # else the first group's (states start with the root).
-        runtime = next((s.group.runtime for s in states if s.group is not None), None)
+        runtime = self.runtime()
         for s in states:
             if s.group is not None:
                 s.group.join_reduce_chain(chain)
@@ -166,13 +167,18 @@ class FSDPState:
 
     # ------------------------------------------------------------------ forward
 
+    def runtime(self) -> DeviceRuntime | None:
+        """Root: the model's one device runtime (its first group's: the root's, if it has a
+        group; lazy init gives it to every group)."""
+        return next((s.group.runtime for s in self.all_states if s.group is not None), None)
+
     def _wait_post_optim_event(self, root: FSDPState) -> None:
         """The gather streams wait for the user's post-optimizer event (an optimizer step on
         another stream writes the shards this forward gathers), once."""
         event, root.post_optim_event = root.post_optim_event, None
         if event is None:
             return
-        runtime = next((s.group.runtime for s in root.all_states if s.group is not None), None)
+        runtime = root.runtime()
         if runtime is not None:
             for role in ("copy_in", "all_gather"):
                 runtime.wait_user_event(runtime.side_stream(role), event)
@@ -412,7 +418,7 @@ class FSDPState:
                 use.finish()
         # Nothing is in flight until the next forward: memory kept for reuse goes back now
         # (the optimizer step and the forward's start run without it).
-        runtime = next((s.group.runtime for s in self.all_states if s.group is not None), None)
+        runtime = self.runtime()
         if runtime is not None:
             runtime.release_kept()
 

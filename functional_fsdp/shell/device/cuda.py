@@ -133,9 +133,9 @@ class CudaRuntime:
         reduce-scatter streams; FSDP2's HSDP all-reduce stream has the default priority)."""
         s = self._side.get(role)
         if s is None:
+            assert role in ROLES, role
             priority = 0 if role == "all_reduce" else -1
             native = self._cuda.new_stream(priority)
-            assert role in ROLES, role
             s = self._side[role] = Stream(role, self._clocks.add(), native)
         return s
 
