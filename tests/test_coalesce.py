@@ -11,6 +11,7 @@ collectives the communicator issued. The plan itself (pure) is a hypothesis prop
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
 import pytest
@@ -180,6 +181,9 @@ def case_host_pool() -> dict[str, Any]:
     ``torch.equal`` on every parameter; the pool's hits while each ran."""
     from functional_fsdp.shell.device.pool import host_buffer_pool, set_host_buffer_pool_bytes
 
+    # The pool is the CPU runtime's, also when the suite runs on the simulator (which keeps
+    # none); the world puts the environment back after the case.
+    os.environ.pop("FFSDP_RUNTIME", None)
     pool = host_buffer_pool()
     runs, hits, kept = {}, {}, {}
     for name, size in (("pooled", 16 << 20), ("unpooled", 0)):
