@@ -343,8 +343,10 @@ class FSDPModule(TorchFSDPModule):
         all-reduce); with HSDP after the replicate all-reduce, and not on a step that skips it
         (``set_requires_all_reduce(False)``). Per module, not recursive; ``None`` removes it.
 
-        ``stream``: accepted (ignored: no separate streams here); with HSDP, as in FSDP2, it is
-        an error.
+        ``stream``: accepted and not used: on CUDA the hook runs on the reduce-scatter stream,
+        after the reduce-scatter and before the post-reduce work that reads its output (FSDP2
+        runs it on ``stream`` after waiting for the reduce-scatter: the same order). With HSDP,
+        as in FSDP2, it is an error.
 
         Raises:
             PolicyError: ``hook`` is not callable, or ``stream`` is given with HSDP.
