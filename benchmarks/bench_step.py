@@ -11,7 +11,11 @@ tensors. Models (``--model``):
   compute each, so per-group overhead (hooks, autograd Functions, messages) dominates.
 
     python benchmarks/bench_step.py [--model deep] [--steps 12] [--rounds 2]
-        [--variants floor,fsdp2,ours,ddp,repro] [--micro-batches 2] [--compile]
+        [--variants floor,fsdp2,ours,ddp,repro] [--micro-batches 2] [--compile] [--device cuda]
+
+``--device cuda``: the same comparison on ``--world-size`` GPUs of one machine, one per rank on
+NCCL, each step synchronized, memory as each rank's ``torch.cuda.max_memory_allocated`` (the
+floor on one GPU). Not yet run: no machine of several GPUs has been lent to this project.
 
 ``repro``: ours with ``ReproduciblePolicy(virtual_world_size=world size x micro-batches)`` on
 every group (the cost of bit-identical training at any world size: docs/reproducibility.md).
@@ -95,12 +99,16 @@ def _bucket(variant: str) -> int | None:
 
 
 def _build(
-    variant: str, cfg: GPTConfig, raf: bool | None, micro_batches: int = 1
+    variant: str,
+    cfg: GPTConfig,
+    raf: bool | None,
+    micro_batches: int = 1,
+    device: torch.device | str = "cpu",
 ) -> torch.nn.Module:
     bucket = _bucket(variant)
     variant = _use_tree(variant).partition(":")[0]
     torch.manual_seed(0)
-    model = GPT(cfg)
+    model = GPT(cfg).to(device)
     if variant in ("ours", "fsdp2", "repro", "copies"):
         kw: dict = {}
         if variant == "fsdp2":
@@ -170,11 +178,15 @@ def _worker(
 ) -> None:
     _mallopt()
     torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)  # one GPU per rank, before the mesh
     if ws > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=ws)
+        dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=ws)
     cfg = MODELS[args.model][0]
-    model = _build(variant, cfg, None, args.micro_batches)
+    model = _build(variant, cfg, None, args.micro_batches, device)
     if args.compile:
         # Each block's forward compiled with inductor (FSDP's hooks stay eager); warmup steps
         # absorb the compilation.
@@ -189,9 +201,11 @@ def _worker(
     loss_fn = model if variant == "ddp" else model.loss  # type: ignore[union-attr]
     times, losses = [], []
     for step in range(args.warmup + args.steps):
-        x, y = synthetic_batch(cfg, args.batch, seed=1000 * step + rank)
+        x, y = (t.to(device) for t in synthetic_batch(cfg, args.batch, seed=1000 * step + rank))
         if ws > 1:
             dist.barrier()
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         k = args.micro_batches
         for m in range(k):  # the usual accumulation loop; one micro-batch: a plain step
@@ -203,6 +217,8 @@ def _worker(
                 loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     local_numel = sum(
@@ -214,6 +230,7 @@ def _worker(
         "step_ms": 1e3 * statistics.median(times[args.warmup :]),
         "mean_ms": 1e3 * statistics.mean(times[args.warmup :]),
         "peak_rss_mib": _peak_rss_mib(),
+        "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0,
         "final_loss": losses[-1],
         "local_param_numel": local_numel,
         "replicas_equal": _replicas_equal(model) if variant == "ddp" else True,
@@ -265,6 +282,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
         "variant": variant,
         "step_ms": step,
         "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
+        "peak_gpu_mib": max(r["peak_gpu_mib"] for r in results),
         "final_loss": results[0]["final_loss"],
         "local_param_numel": results[0]["local_param_numel"],
     }
@@ -293,6 +311,12 @@ def main() -> None:
     )
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cuda: one GPU per rank on NCCL (needs --world-size GPUs); memory as GPU peak",
+    )
+    ap.add_argument(
         "--compile", action="store_true", help="torch.compile each block (inductor) first"
     )
     args = ap.parse_args()
@@ -314,14 +338,16 @@ def main() -> None:
         f"model {args.model}: {cfg}, batch {args.batch} per rank in {args.micro_batches} "
         f"micro-batch(es), {args.rounds} rounds"
     )
+    mem = "peak_gpu_mib" if args.device == "cuda" else "peak_rss_mib"
     print(
-        f"{'variant':8} {'step ms':>9} {'x floor':>8} {'x fsdp2':>8} {'peak RSS MiB':>13} {'local params':>13}"
+        f"{'variant':8} {'step ms':>9} {'x floor':>8} {'x fsdp2':>8} "
+        f"{'peak GPU MiB' if args.device == 'cuda' else 'peak RSS MiB':>13} {'local params':>13}"
     )
     for v, r in rows.items():
         fl = r["step_ms"] / rows["floor"]["step_ms"] if "floor" in rows else float("nan")
         fs = r["step_ms"] / rows["fsdp2"]["step_ms"] if "fsdp2" in rows else float("nan")
         print(
-            f"{_label(v):8} {r['step_ms']:9.1f} {fl:8.3f} {fs:8.3f} {r['peak_rss_mib']:13.1f} {r['local_param_numel']:13d}"
+            f"{_label(v):8} {r['step_ms']:9.1f} {fl:8.3f} {fs:8.3f} {r[mem]:13.1f} {r['local_param_numel']:13d}"
         )
     print(
         "per round (step ms): "

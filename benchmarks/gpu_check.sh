@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The whole one-GPU check in one command (a lent GPU's time is short): the `gpu` tests, then
+# The whole GPU check in one command (a lent GPU's time is short): the `gpu` tests, then
 # benchmarks/bench_cuda.py (the small models in fp32 and bf16 with a host profile, the 350M GPT
-# in fp32, CPU offload), each stage bounded, every log kept under OUT (default ./gpu_check).
+# in fp32, CPU offload), and on a machine of several GPUs benchmarks/bench_step.py on two of them
+# (NCCL, one GPU per rank); each stage bounded, every log kept under OUT (default ./gpu_check).
 #
 #   bash benchmarks/gpu_check.sh [OUT]
 #
@@ -29,3 +30,10 @@ run() {  # run NAME SECONDS ARGS...: one bench_cuda invocation, its table lines 
 run small 150 --models gpt13m,deep --recipes fp32,bf16 --profile 20
 run big 90 --models gpt350m --recipes fp32 --variants fsdp2,ours,ours:0
 run offload 90 --models gpt13m,deep --recipes offload
+gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$gpus" -ge 2 ]; then
+  for model in gpt13m deep; do
+    timeout 240 python3 benchmarks/bench_step.py --device cuda --world-size 2 --model "$model" \
+      --rounds 1 --json "$out/step_$model.json" 2>&1 | grep -v Warning | tee "$out/step_$model.txt"
+  done
+fi
