@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import os
@@ -189,7 +190,7 @@ def run_variant(variant: str, recipe: str, model_name: str, steps: int) -> dict[
 
 def _phase_peaks(model: Any, loss_of: Any, opt: Any, batch: Any) -> dict[str, float]:
     """One more step, the peak allocated memory of each phase (MiB): forward, backward (and
-    what stays allocated after it), the optimizer step."""
+    what stays allocated after it, before and after ``gc.collect()``), the optimizer step."""
     del model
     out = {}
     mib = 2**20
@@ -205,6 +206,10 @@ def _phase_peaks(model: Any, loss_of: Any, opt: Any, batch: Any) -> dict[str, fl
     loss.backward()
     phase("backward")
     out["after_backward"] = torch.cuda.memory_allocated() / mib
+    # A model's worth was sometimes still allocated here, under FSDP2 and ours alike (H200,
+    # 2026-11-26): if the collector frees it, it was cyclic garbage.
+    gc.collect()
+    out["after_backward_gc"] = torch.cuda.memory_allocated() / mib
     opt.step()
     opt.zero_grad()
     phase("optimizer")
