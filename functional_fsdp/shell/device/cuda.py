@@ -200,25 +200,26 @@ class CudaRuntime:
         storage was (re)allocated on the current stream: remembered for its free."""
         storage = tensor.untyped_storage()
         self._deferred.pop(storage._cdata, None)
-        setattr(storage, _ALLOCATED_ON, self._stream_now().index)
+        self._tag(storage)
         self._poll()
 
     def free_after(self, tensor: torch.Tensor, events: Sequence[Event]) -> None:
         """Free now if the stream that allocated ``tensor`` has seen ``events`` (or the host
         has), else when a later wait or poll finds it so (see the module docstring)."""
-        on = getattr(tensor.untyped_storage(), _ALLOCATED_ON, None)
+        storage = tensor.untyped_storage()
+        on = getattr(storage, _ALLOCATED_ON, None)
         evs = list(events)
         if self._proven(on, evs):
-            tensor.untyped_storage().resize_(0)
+            storage.resize_(0)
             self.frees["at_once"] += 1
         else:
-            self._deferred[tensor.untyped_storage()._cdata] = (tensor, evs, on)
+            self._deferred[storage._cdata] = (tensor, evs, on)
         self._poll()
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """``torch.empty`` on the current stream (remembered for its free)."""
         t = torch.empty(numel, dtype=dtype, device=device)
-        setattr(t.untyped_storage(), _ALLOCATED_ON, self._stream_now().index)
+        self._tag(t.untyped_storage())
         return t
 
     def release_kept(self) -> None:
@@ -239,8 +240,10 @@ class CudaRuntime:
         """How many buffers wait for their free."""
         return len(self._deferred)
 
-    def _stream_now(self) -> Stream:
-        return self._current[-1] if self._current else self.compute
+    def _tag(self, storage: torch.UntypedStorage) -> None:
+        """Remember that ``storage`` was allocated on the current stream (by its clock)."""
+        now = self._current[-1] if self._current else self.compute
+        setattr(storage, _ALLOCATED_ON, now.index)
 
     def _proven(self, on: int | None, events: Sequence[Event]) -> bool:
         seen = self._clocks.seen
@@ -251,15 +254,16 @@ class CudaRuntime:
         return True
 
     def _free_proven(self) -> None:
-        for key, (tensor, events, on) in list(self._deferred.items()):
+        for key, (_, events, on) in list(self._deferred.items()):
             if self._proven(on, events):
-                tensor.untyped_storage().resize_(0)
-                del self._deferred[key]
-                self.frees["by_clock"] += 1
+                self._free_deferred(key, "by_clock")
 
     def _poll(self) -> None:
-        for key, (tensor, events, _) in list(self._deferred.items()):
+        for key, (_, events, _) in list(self._deferred.items()):
             if all(e.native.query() for e in events):
-                tensor.untyped_storage().resize_(0)
-                del self._deferred[key]
-                self.frees["by_query"] += 1
+                self._free_deferred(key, "by_query")
+
+    def _free_deferred(self, key: int, how: str) -> None:
+        tensor = self._deferred.pop(key)[0]
+        tensor.untyped_storage().resize_(0)
+        self.frees[how] += 1
