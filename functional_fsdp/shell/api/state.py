@@ -172,13 +172,13 @@ class FSDPState:
         group; lazy init gives it to every group)."""
         return next((s.group.runtime for s in self.all_states if s.group is not None), None)
 
-    def _wait_post_optim_event(self, root: FSDPState) -> None:
-        """The gather streams wait for the user's post-optimizer event (an optimizer step on
-        another stream writes the shards this forward gathers), once."""
-        event, root.post_optim_event = root.post_optim_event, None
+    def _wait_post_optim_event(self) -> None:
+        """Root: the gather streams wait for the user's post-optimizer event (an optimizer step
+        on another stream writes the shards this forward gathers), once."""
+        event, self.post_optim_event = self.post_optim_event, None
         if event is None:
             return
-        runtime = root.runtime()
+        runtime = self.runtime()
         if runtime is not None:
             for role in ("copy_in", "all_gather"):
                 runtime.wait_user_event(runtime.side_stream(role), event)
@@ -220,7 +220,7 @@ class FSDPState:
             for s in root.all_states:
                 if s.group is not None:
                     s.group.start_iteration()
-            self._wait_post_optim_event(root)
+            self._wait_post_optim_event()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if not root.order_recorded:

@@ -441,5 +441,5 @@ def _write(
                     continue  # restarted before the first step: no optimizer state yet
                 state: dict[str, Any] = {k: v[i].clone() for k, v in scalars.items()}
                 for k, m in moved.items():
-                    state[k] = shard_like(m.local(i).clone().to(_local(p).device), p)
+                    state[k] = shard_like(m.local(i).to(_local(p).device, copy=True), p)
                 optimizer.state[p] = state
