@@ -247,6 +247,65 @@ def case_kept_for_backward() -> dict[str, Any]:
     return out
 
 
+def case_reduce_order() -> dict[str, Any]:
+    """Where the backward's reduce-scatters are issued, with buckets that would put the root
+    with the last blocks if cut on the backward's gather order: every bucket flushes when its
+    last member hands in its gradients (none waits for the end of the backward), its members
+    hand in one after another, and when a bucket's first member packs, no other group's
+    reduction is in flight (one send buffer at a time)."""
+    from functional_fsdp.shell.engine.coalesced import ReduceBucket
+    from functional_fsdp.shell.engine.group import ParamGroup
+
+    model = _model("ours", 0, {})
+    groups = [m._ffsdp_state.group for m in [model, *model.blocks]]
+    names = {id(g): ("root" if i == 0 else f"b{i - 1}") for i, g in enumerate(groups)}
+    block = groups[1].layout.unsharded_bytes
+    model.set_bucket_bytes(groups[0].layout.unsharded_bytes + 2 * block)
+    handed: list[str] = []
+    flushes: list[tuple[list[str], int, bool]] = []  # members, handed so far, in a hook
+    in_flight_at_pack: list[list[str]] = []
+    in_hook = [False]
+    originals = (ParamGroup.post_backward, ReduceBucket.flush, ReduceBucket.columns)
+
+    def post_backward(self: Any, grads: Any) -> None:
+        handed.append(names[id(self)])
+        in_hook[0] = True
+        try:
+            originals[0](self, grads)
+        finally:
+            in_hook[0] = False
+
+    def flush(self: Any) -> None:
+        if self._inputs:
+            members = [names[id(g)] for g in self.members if id(g) in self._inputs]
+            flushes.append((members, len(handed), in_hook[0]))
+        originals[1](self)
+
+    def columns(self: Any, group: Any) -> Any:
+        first = not self._inputs
+        out = originals[2](self, group)  # the bucket's send buffer exists now
+        if first:
+            in_flight_at_pack.append([names[id(g)] for g in groups if g.pending_reduce is not None])
+        return out
+
+    ParamGroup.post_backward = post_backward  # type: ignore[method-assign]
+    ReduceBucket.flush = flush  # type: ignore[method-assign]
+    ReduceBucket.columns = columns  # type: ignore[method-assign]
+    try:
+        _train(model, {})
+    finally:
+        ParamGroup.post_backward, ReduceBucket.flush, ReduceBucket.columns = originals  # type: ignore[method-assign]
+    sched = model.communication_schedule()
+    return {
+        "gather_first": sched.backward[0].groups[0],
+        "reduce_last": sched.reduce[-1].groups[-1],
+        "handed": handed[: len(groups)],
+        "flushes": flushes,
+        "in_flight_at_pack": in_flight_at_pack,
+        "reduce_buckets": [list(b.groups) for b in sched.reduce],
+    }
+
+
 def _collectives(model: Any) -> int:
     """Collectives issued so far by the model's process-group communicators."""
     from functional_fsdp.shell.comm.custom import base_comm
@@ -360,6 +419,26 @@ def test_last_forward_bucket_keeps_its_buffer_for_the_backward(world2) -> None:
         # The kept bucket is not gathered again: one collective fewer in the backward (its
         # members' gather was one).
         assert r["default backward collectives"] == r["explicit backward collectives"] - 1, r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_reduce_buckets_follow_the_order_gradients_complete(world2) -> None:
+    n = CFG["n_layers"]
+    for r in world2.run(case_reduce_order):
+        # The backward reaches the root first (its output is the loss) but completes its
+        # gradients last (the embedding is its first use): gathers and reductions differ.
+        assert r["gather_first"] == "GPT" and r["reduce_last"] == "GPT", r
+        assert r["handed"] == [f"b{i}" for i in range(n - 1, -1, -1)] + ["root"], r
+        assert len(r["flushes"]) == STEPS * len(r["reduce_buckets"]), r
+        assert any(len(b) > 1 for b in r["reduce_buckets"]), r
+        for members, handed, in_hook in r["flushes"]:
+            # Issued by the post-backward of its last member, right after the others'.
+            assert in_hook, r
+            step_order = r["handed"]
+            i = handed % len(step_order) or len(step_order)
+            assert step_order[i - len(members) : i] == members, r
+        assert r["in_flight_at_pack"] and all(x == [] for x in r["in_flight_at_pack"]), r
 
 
 @pytest.mark.multiprocess

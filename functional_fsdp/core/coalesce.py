@@ -81,16 +81,21 @@ class CommunicationSchedule:
     Attributes:
         bucket_bytes: the bucket size the plan used (``0``: coalescing off).
         forward: the forward's all-gathers, in forward order.
-        backward: the backward's all-gathers and reduce-scatters, in backward order.
+        backward: the backward's all-gathers (of the groups that gather again), in the order
+            the backward reaches the groups (the reverse of the post-forward order).
+        reduce: the backward's reduce-scatters, in the order the groups' gradients are
+            complete (the reverse of the pre-forward order: a module that encloses others,
+            such as the root, has its last gradient at the end of the backward).
     """
 
     bucket_bytes: int
     forward: tuple[Bucket, ...]
     backward: tuple[Bucket, ...]
+    reduce: tuple[Bucket, ...] = ()
 
-    def collectives(self) -> tuple[int, int]:
-        """``(forward, backward)`` bucket counts: collectives per phase and kind."""
-        return len(self.forward), len(self.backward)
+    def collectives(self) -> tuple[int, int, int]:
+        """``(forward all-gathers, backward all-gathers, reduce-scatters)``: bucket counts."""
+        return len(self.forward), len(self.backward), len(self.reduce)
 
 
 def plan_buckets(

@@ -1,7 +1,9 @@
 """The root's communication schedule: which groups' collectives travel together.
 
-After its first forward the root knows the order its groups run in (``forward_order``, and the
-backward's: the reverse of the post-forward order). :func:`derive` cuts each order into buckets
+After its first forward the root knows the order its groups run in (``forward_order``), the
+order the backward reaches them (the reverse of the post-forward order) and the order their
+gradients are complete (the reverse of the pre-forward order: a group's last gradient is that
+of its first use, so the root's comes at the end). :func:`derive` cuts each order into buckets
 of adjacent small groups with :func:`functional_fsdp.core.coalesce.plan_buckets` (the bucket
 size: ``fully_shard(..., bucket_bytes=n)`` or ``FSDPModule.set_bucket_bytes(n)`` on the root;
 ``0`` turns coalescing off), from facts every rank shares, so every rank issues the same
@@ -10,8 +12,11 @@ collectives. During a step (``state.py``):
 - forward: a group whose bucket has not started starts it (one all-gather for the bucket's
   groups from it on); the bucket's last group prefetches the next bucket, whole;
 - backward: the same over the backward buckets, for the groups that gather again in backward;
-  each backward bucket of several groups also reduce-scatters in one collective
-  (:class:`~functional_fsdp.shell.engine.coalesced.ReduceBucket`).
+  each reduce bucket of several groups reduce-scatters in one collective
+  (:class:`~functional_fsdp.shell.engine.coalesced.ReduceBucket`), issued by the last of them
+  to hand in its gradients. (Cut on the backward's gather order instead, the root shared the
+  first reduce bucket with the last blocks and held their gradients, and the bucket's send
+  buffer, until the end of the backward.)
 
 A group travels alone when it cannot share a collective: tensor-subclass all-gather codecs,
 CPU offload, ``reshard_after_forward=k``, custom collectives, weights tied across groups, a
@@ -59,7 +64,8 @@ class Schedule:
             user's lists decide when each group gathers; reduce-scatters still coalesce).
         forward: ``id(state)`` -> the states of its forward bucket, in forward order.
         backward: ``id(state)`` -> the states of its backward bucket, in backward order.
-        reduce_buckets: the reduce buckets of the backward buckets of several groups.
+        reduce_buckets: the reduce buckets of several groups (cut on the order the groups'
+            gradients are complete).
         kept: ``id(state)`` of the states of the last forward bucket that may share a
             collective, when the bucket is no larger than the bucket size: their backward
             comes first, so they keep their unsharded buffer from the forward (registered
@@ -147,6 +153,18 @@ def _cut(
     return tuple(out), members
 
 
+def _first_uses(order: Sequence[Scheduled]) -> list[Scheduled]:
+    """``order`` with each group at its first forward use only (its gradient is complete
+    once the backward has passed that use)."""
+    seen: set[int] = set()
+    out = []
+    for s in order:
+        if s.group is not None and id(s.group) not in seen:
+            seen.add(id(s.group))
+            out.append(s)
+    return out
+
+
 def derive(
     forward_order: Sequence[Scheduled],
     post_forward_order: Sequence[Scheduled],
@@ -160,11 +178,12 @@ def derive(
     other of the root's ``groups`` none)."""
     fwd, fmembers = _cut(forward_order, bucket_bytes)
     bwd, bmembers = _cut(list(post_forward_order)[::-1], bucket_bytes)
+    red, rmembers = _cut(_first_uses(forward_order)[::-1], bucket_bytes)
     reduce_buckets = []
     for g in groups:
         g.join_reduce_bucket(None)
     done: set[int] = set()
-    for group in bmembers.values():
+    for group in rmembers.values():
         if len(group) > 1 and id(group[0]) not in done:
             done.add(id(group[0]))
             members: list[ParamGroup] = [s.group for s in group if s.group is not None]
@@ -172,7 +191,7 @@ def derive(
             for g in members:
                 g.join_reduce_bucket(bucket)
             reduce_buckets.append(bucket)
-    record = CommunicationSchedule(max(bucket_bytes, 0), fwd, bwd)
+    record = CommunicationSchedule(max(bucket_bytes, 0), fwd, bwd, red)
     # The last forward bucket keeps its buffers for the backward: only groups that may share
     # a collective (others keep FSDP2's gathers, e.g. a custom all-gather counts its calls),
     # and only a bucket within the size.

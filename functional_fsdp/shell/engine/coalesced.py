@@ -39,6 +39,8 @@ class Chain(Protocol):
 
     def hand_over(self, *groups: Any) -> None: ...
 
+    def settle(self, *groups: Any) -> None: ...
+
 
 class Member(Protocol):
     """What a bucket needs of a group (:class:`~.group.ParamGroup` is one)."""
@@ -126,7 +128,13 @@ class ReduceBucket:
         """``group``'s columns of the bucket's send buffer (allocated by the first member to
         pack, this backward), for it to pack its gradients into: the reduce-scatter then sends
         the buffer without concatenating the members' packed gradients. ``None`` (pack alone)
-        when the members' reduce dtypes differ."""
+        when the members' reduce dtypes differ.
+
+        The first member to pack finishes the reduction in flight first (the previous bucket's,
+        still overlapping this member's backward until now), so at most one bucket's send
+        buffer is alive at a time, as FSDP2 keeps one reduce-scatter input."""
+        if not self._inputs:
+            group.reduce_chain.settle(*self.members)
         layouts = [m.state.layout for m in self.members]
         dtype = layouts[0].grad_reduce_dtype()
         if any(lay.grad_reduce_dtype() != dtype for lay in layouts):

@@ -1090,6 +1090,15 @@ class ReduceChain:
             if g not in groups:
                 g.finish_reduce()
 
+    def settle(self, *groups: ParamGroup) -> None:
+        """Finish the reduction in flight of groups other than ``groups`` now: a bucket whose
+        first member is about to pack its gradients into a new send buffer (otherwise the
+        previous bucket's send buffer stayed alive beside it for the whole bucket)."""
+        prev, self.groups = self.groups, tuple(g for g in self.groups if g in groups)
+        for g in prev:
+            if g not in groups:
+                g.finish_reduce()
+
 
 class OwnReduction:
     """The module path's gradients returned to ``torch.autograd.grad``: the reduction of the
