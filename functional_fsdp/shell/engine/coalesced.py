@@ -17,6 +17,7 @@ bucket does during a step:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -117,12 +118,13 @@ class ReduceBucket:
         members: the groups, in backward order (the last one's post-backward issues).
     """
 
-    __slots__ = ("_inputs", "_send", "members")
+    __slots__ = ("_columns", "_inputs", "_send", "members")
 
     def __init__(self, members: Sequence[Member]) -> None:
         self.members = tuple(members)
         self._inputs: dict[int, T.ReduceInput] = {}
         self._send: torch.Tensor | None = None  # this backward's (ws, total) send buffer
+        self._columns: dict[int, tuple[int, int]] = {}  # id(member) -> (offset, width)
 
     def columns(self, group: Member) -> torch.Tensor | None:
         """``group``'s columns of the bucket's send buffer (allocated by the first member to
@@ -132,20 +134,25 @@ class ReduceBucket:
 
         The first member to pack finishes the reduction in flight first (the previous bucket's,
         still overlapping this member's backward until now), so at most one bucket's send
-        buffer is alive at a time, as FSDP2 keeps one reduce-scatter input."""
+        buffer is alive at a time, as FSDP2 keeps one reduce-scatter input; it also lays the
+        columns out once for the bucket's members."""
         if not self._inputs:
             group.reduce_chain.settle(*self.members)
-        layouts = [m.state.layout for m in self.members]
-        dtype = layouts[0].grad_reduce_dtype()
-        if any(lay.grad_reduce_dtype() != dtype for lay in layouts):
-            return None
-        sizes = [lay.shard_numel for lay in layouts]
-        ws = layouts[0].world_size
+            self._send = None
+            layouts = [m.state.layout for m in self.members]
+            dtype = layouts[0].grad_reduce_dtype()
+            if any(lay.grad_reduce_dtype() != dtype for lay in layouts):
+                return None
+            sizes = [lay.shard_numel for lay in layouts]
+            offsets = itertools.accumulate(sizes, initial=0)
+            self._columns = {id(m): (o, n) for m, o, n in zip(self.members, offsets, sizes)}
+            total = sum(sizes)
+            flat = group.alloc_advised(layouts[0].world_size * total, dtype, group.device)
+            self._send = flat.view(layouts[0].world_size, total)
         if self._send is None:
-            flat = group.alloc_advised(ws * sum(sizes), dtype, group.device)
-            self._send = flat.view(ws, sum(sizes))
-        i = self.members.index(group)
-        return self._send.narrow(1, sum(sizes[:i]), sizes[i])
+            return None
+        off, width = self._columns[id(group)]
+        return self._send.narrow(1, off, width)
 
     def add(self, group: Member, rin: T.ReduceInput) -> None:
         """``group``'s packed gradients of this backward; issue when every member's is in."""
