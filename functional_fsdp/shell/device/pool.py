@@ -31,8 +31,10 @@ __all__ = ["HostBufferPool", "host_buffer_pool", "set_host_buffer_pool_bytes", "
 MIN_BYTES = 64 << 10
 #: Buffers from this size on are advised huge pages instead (``engine/memory.py``).
 MAX_BYTES = 4 << 20
-#: Default retained bytes (``FFSDP_HOST_POOL_BYTES`` overrides).
-DEFAULT_BYTES = 16 << 20
+#: Default retained bytes (``FFSDP_HOST_POOL_BYTES`` overrides): two default buckets (a
+#: bucket's freed buffers wait here for the next bucket's). On the deep benchmark model 8 MiB
+#: saves as many page faults as 16 (35-38 thousand a step against 59-60 thousand with none).
+DEFAULT_BYTES = 8 << 20
 #: Whether this torch can move memory between storages (a private method, present in the
 #: supported releases); without it the pool keeps nothing and every buffer is new, as before.
 CAN_MOVE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
@@ -174,7 +176,7 @@ def host_buffer_pool() -> HostBufferPool:
 
 
 def set_host_buffer_pool_bytes(n: int) -> None:
-    """Keep at most ``n`` bytes of freed CPU buffer memory for reuse (default 16 MiB; 0 turns
+    """Keep at most ``n`` bytes of freed CPU buffer memory for reuse (default 8 MiB; 0 turns
     the pool off and frees what it holds).
 
     FSDP frees each group's unsharded parameters after use and allocates them again for the
