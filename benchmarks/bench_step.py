@@ -28,6 +28,10 @@ on the last only (DDP: ``no_sync``), as FSDP2's accumulation recipe does.
 ``FFSDP_HOST_POOL_BYTES=N`` in the environment sizes ours' host buffer pool for every variant of
 the run (0: off; ``set_host_buffer_pool_bytes``). DDP runs its loss through its own forward, and
 the run fails unless its ranks end with equal parameters (proof that it all-reduced).
+
+For ours the run also prints the time each step blocked in waits for collectives (the slower
+rank's, ``ProcessGroupComm.wait_stats``): on gloo a wait that finds its collective unfinished
+is where the peer's bytes are received, so this is the transfer cost the compute did not hide.
 """
 
 from __future__ import annotations
@@ -200,7 +204,10 @@ def _worker(
         keep_neighbour_copies(model, opt)  # the neighbour's state after every step
     loss_fn = model if variant == "ddp" else model.loss  # type: ignore[union-attr]
     times, losses = [], []
+    waits0 = _wait_stats()
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            waits0 = _wait_stats()
         x, y = (t.to(device) for t in synthetic_batch(cfg, args.batch, seed=1000 * step + rank))
         if ws > 1:
             dist.barrier()
@@ -221,6 +228,7 @@ def _worker(
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+    waits = [b - a for a, b in zip(waits0, _wait_stats())]
     local_numel = sum(
         (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()
     )
@@ -234,10 +242,26 @@ def _worker(
         "final_loss": losses[-1],
         "local_param_numel": local_numel,
         "replicas_equal": _replicas_equal(model) if variant == "ddp" else True,
+        "waits": [w / args.steps for w in waits],
     }
     out.put(res)  # type: ignore[attr-defined]
     if ws > 1:
         dist.destroy_process_group()
+
+
+def _wait_stats() -> tuple[float, float, float]:
+    """Ours' host waits for collectives so far, over every communicator of the process:
+    ``(waits, unfinished, seconds blocked)`` (``ProcessGroupComm.wait_stats``; zeros for the
+    other variants, and for a tree from before the counters)."""
+    mod = sys.modules.get("functional_fsdp.shell.comm.process_group")
+    if mod is None:
+        return 0.0, 0.0, 0.0
+    stats = [getattr(c, "wait_stats", (0, 0, 0.0)) for c in list(mod.LIVE)]
+    return (
+        float(sum(x[0] for x in stats)),
+        float(sum(x[1] for x in stats)),
+        float(sum(x[2] for x in stats)),
+    )
 
 
 def _set_sync(model: torch.nn.Module, variant: str, on: bool) -> None:
@@ -283,6 +307,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
         "step_ms": step,
         "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
         "peak_gpu_mib": max(r["peak_gpu_mib"] for r in results),
+        "waits": max((r["waits"] for r in results), key=lambda w: w[2]),
         "final_loss": results[0]["final_loss"],
         "local_param_numel": results[0]["local_param_numel"],
     }
@@ -356,6 +381,17 @@ def main() -> None:
     if "ours" in every and "fsdp2" in every:
         per = [o / f for o, f in zip(every["ours"], every["fsdp2"])]
         print("ours / fsdp2 per round: " + " ".join(f"{x:.3f}" for x in per))
+    blocked = {v: r["waits"] for v, r in rows.items() if r["waits"][0] > 0}
+    if blocked:
+        # Where ours' step goes on gloo: a wait that finds its collective unfinished blocks
+        # until the peer's bytes are in (receiving them is the wait's work on a busy core).
+        print(
+            "blocked in collectives per step (the slower rank): "
+            + "; ".join(
+                f"{_label(v)} {w[2] * 1e3:.1f} ms ({w[1]:.0f} of {w[0]:.0f} waits unfinished)"
+                for v, w in blocked.items()
+            )
+        )
     ours_b, fsdp2_b = _collective_bytes(cfg, args.world_size, raf=True)
     print(
         f"bytes sent per rank per step: ours {ours_b / 2**20:.1f} MiB, FSDP2 {fsdp2_b / 2**20:.1f} MiB "

@@ -296,7 +296,13 @@ def case_reduce_order() -> dict[str, Any]:
     finally:
         ParamGroup.post_backward, ReduceBucket.flush, ReduceBucket.columns = originals  # type: ignore[method-assign]
     sched = model.communication_schedule()
+    from functional_fsdp.shell.comm.custom import base_comm
+
+    comm = base_comm(groups[1].comm)
+    assert comm is not None
     return {
+        "wait_stats": comm.wait_stats,
+        "issued": comm.collectives_issued,
         "gather_first": sched.backward[0].groups[0],
         "reduce_last": sched.reduce[-1].groups[-1],
         "handed": handed[: len(groups)],
@@ -439,6 +445,9 @@ def test_reduce_buckets_follow_the_order_gradients_complete(world2) -> None:
             i = handed % len(step_order) or len(step_order)
             assert step_order[i - len(members) : i] == members, r
         assert r["in_flight_at_pack"] and all(x == [] for x in r["in_flight_at_pack"]), r
+        # The waits are counted (bench_step.py reports the time they block).
+        waits, unfinished, seconds = r["wait_stats"]
+        assert 0 < waits <= r["issued"] and 0 <= unfinished <= waits and seconds >= 0.0, r
 
 
 @pytest.mark.multiprocess

@@ -97,6 +97,10 @@ class ProcessGroupComm:
         # all-gather beside a reduce-scatter): each call gets its own tag range. Every rank
         # issues collectives in the same order, so the counters agree.
         self._calls = 0
+        # Waits so far: how many, how many found their works unfinished, and the seconds
+        # those blocked (``wait_stats``: where a step's time goes on gloo).
+        self._waits = [0, 0]
+        self._waited_s = 0.0
         # Schedule check: a tag also encodes which collective it belongs to (group key and
         # kind) and the epoch, so ranks that run different collectives never pair their
         # messages; they time out instead and every rank raises a named error.
@@ -169,6 +173,14 @@ class ProcessGroupComm:
         """Collectives this communicator numbered so far (the same on every rank)."""
         return self._calls
 
+    @property
+    def wait_stats(self) -> tuple[int, int, float]:
+        """``(waits, unfinished, seconds)``: host waits for this communicator's collectives so
+        far, how many found the collective unfinished, and the seconds those blocked (on gloo
+        the wait is also when the receives' bytes are copied: the cost of the transfer the
+        compute did not hide). Zeros on NCCL, where a wait is a stream dependency."""
+        return self._waits[0], self._waits[1], self._waited_s
+
     def _begin(self, key: int, kind: int, name: str | None) -> int:
         """Number the next collective (every rank counts alike) and remember what it is."""
         seq = self._calls
@@ -213,10 +225,12 @@ class ProcessGroupComm:
             for w in works:
                 w.wait()
             return
+        self._waits[0] += 1
         if all(w.is_completed() for w in works):
             for w in works:
                 w.wait()
             return
+        self._waits[1] += 1
         done, box = self._waiter.submit(works)
         start = time.monotonic()
         deadline = start + self.timeout_s
@@ -263,6 +277,7 @@ class ProcessGroupComm:
                         "sets the limit in seconds)"
                     )
         finally:
+            self._waited_s += time.monotonic() - start
             if published is not None:
                 self._get_store().set(published, "")  # no longer waiting there
         if box:
