@@ -83,9 +83,9 @@ class CommunicationSchedule:
         forward: the forward's all-gathers, in forward order.
         backward: the backward's all-gathers (of the groups that gather again), in the order
             the backward reaches the groups (the reverse of the post-forward order).
-        reduce: the backward's reduce-scatters, in the order the groups' gradients are
-            complete (the reverse of the pre-forward order: a module that encloses others,
-            such as the root, has its last gradient at the end of the backward).
+        reduce: the backward's reduce-scatters, in the order the groups' post-backwards run
+            (the reverse of the pre-forward order: autograd runs the groups' unshard nodes
+            latest-made first, so the root's runs last).
     """
 
     bucket_bytes: int

@@ -2,8 +2,10 @@
 
 After its first forward the root knows the order its groups run in (``forward_order``), the
 order the backward reaches them (the reverse of the post-forward order) and the order their
-gradients are complete (the reverse of the pre-forward order: a group's last gradient is that
-of its first use, so the root's comes at the end). :func:`derive` cuts each order into buckets
+post-backwards run (the reverse of the pre-forward order: a group's post-backward is the
+backward of the ``UnshardFn`` node its pre-forward made, and autograd runs the nodes that are
+ready latest-made first, so the root's runs last even when its only parameters are a head used
+at the end). :func:`derive` cuts each order into buckets
 of adjacent small groups with :func:`functional_fsdp.core.coalesce.plan_buckets` (the bucket
 size: ``fully_shard(..., bucket_bytes=n)`` or ``FSDPModule.set_bucket_bytes(n)`` on the root;
 ``0`` turns coalescing off), from facts every rank shares, so every rank issues the same
@@ -154,8 +156,8 @@ def _cut(
 
 
 def _first_uses(order: Sequence[Scheduled]) -> list[Scheduled]:
-    """``order`` with each group at its first forward use only (its gradient is complete
-    once the backward has passed that use)."""
+    """``order`` with each group at its first forward use only (where its pre-forward made
+    the ``UnshardFn`` node whose backward is its post-backward)."""
     seen: set[int] = set()
     out = []
     for s in order:
