@@ -429,7 +429,7 @@ def test_last_forward_bucket_keeps_its_buffer_for_the_backward(world2) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_reduce_buckets_follow_the_order_gradients_complete(world2) -> None:
+def test_reduce_buckets_follow_the_order_post_backwards_run(world2) -> None:
     n = CFG["n_layers"]
     for r in world2.run(case_reduce_order):
         # The backward reaches the root first (its output is the loss) but completes its
