@@ -30,8 +30,8 @@ the run (0: off; ``set_host_buffer_pool_bytes``). DDP runs its loss through its 
 the run fails unless its ranks end with equal parameters (proof that it all-reduced).
 
 For ours the run also prints the time each step blocked in waits for collectives (the slower
-rank's, ``ProcessGroupComm.wait_stats``): on gloo a wait that finds its collective unfinished
-is where the peer's bytes are received, so this is the transfer cost the compute did not hide.
+rank's, ``ProcessGroupComm.wait_stats``): on gloo a wait is where the peer's bytes are
+received, so this is the transfer cost the compute did not hide.
 """
 
 from __future__ import annotations
@@ -249,19 +249,15 @@ def _worker(
         dist.destroy_process_group()
 
 
-def _wait_stats() -> tuple[float, float, float]:
+def _wait_stats() -> tuple[float, float]:
     """Ours' host waits for collectives so far, over every communicator of the process:
-    ``(waits, unfinished, seconds blocked)`` (``ProcessGroupComm.wait_stats``; zeros for the
-    other variants, and for a tree from before the counters)."""
+    ``(waits, seconds blocked)`` (``ProcessGroupComm.wait_stats``; zeros for the other
+    variants, and for a tree from before the counters)."""
     mod = sys.modules.get("functional_fsdp.shell.comm.process_group")
     if mod is None:
-        return 0.0, 0.0, 0.0
-    stats = [getattr(c, "wait_stats", (0, 0, 0.0)) for c in list(mod.LIVE)]
-    return (
-        float(sum(x[0] for x in stats)),
-        float(sum(x[1] for x in stats)),
-        float(sum(x[2] for x in stats)),
-    )
+        return 0.0, 0.0
+    stats = [getattr(c, "wait_stats", (0, 0.0)) for c in list(mod.LIVE)]
+    return float(sum(x[0] for x in stats)), float(sum(x[-1] for x in stats))
 
 
 def _set_sync(model: torch.nn.Module, variant: str, on: bool) -> None:
@@ -307,7 +303,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
         "step_ms": step,
         "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
         "peak_gpu_mib": max(r["peak_gpu_mib"] for r in results),
-        "waits": max((r["waits"] for r in results), key=lambda w: w[2]),
+        "waits": max((r["waits"] for r in results), key=lambda w: w[-1]),
         "final_loss": results[0]["final_loss"],
         "local_param_numel": results[0]["local_param_numel"],
     }
@@ -383,13 +379,12 @@ def main() -> None:
         print("ours / fsdp2 per round: " + " ".join(f"{x:.3f}" for x in per))
     blocked = {v: r["waits"] for v, r in rows.items() if r["waits"][0] > 0}
     if blocked:
-        # Where ours' step goes on gloo: a wait that finds its collective unfinished blocks
-        # until the peer's bytes are in (receiving them is the wait's work on a busy core).
+        # Where ours' step goes on gloo: a wait blocks until the peer's bytes are in
+        # (receiving them is the wait's work on a busy core).
         print(
             "blocked in collectives per step (the slower rank): "
             + "; ".join(
-                f"{_label(v)} {w[2] * 1e3:.1f} ms ({w[1]:.0f} of {w[0]:.0f} waits unfinished)"
-                for v, w in blocked.items()
+                f"{_label(v)} {w[-1] * 1e3:.1f} ms in {w[0]:.0f} waits" for v, w in blocked.items()
             )
         )
     ours_b, fsdp2_b = _collective_bytes(cfg, args.world_size, raf=True)

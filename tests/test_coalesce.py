@@ -446,8 +446,8 @@ def test_reduce_buckets_follow_the_order_post_backwards_run(world2) -> None:
             assert step_order[i - len(members) : i] == members, r
         assert r["in_flight_at_pack"] and all(x == [] for x in r["in_flight_at_pack"]), r
         # The waits are counted (bench_step.py reports the time they block).
-        waits, unfinished, seconds = r["wait_stats"]
-        assert 0 < waits <= r["issued"] and 0 <= unfinished <= waits and seconds >= 0.0, r
+        waits, seconds = r["wait_stats"]
+        assert 0 < waits <= r["issued"] and seconds > 0.0, r
 
 
 @pytest.mark.multiprocess

@@ -97,9 +97,9 @@ class ProcessGroupComm:
         # all-gather beside a reduce-scatter): each call gets its own tag range. Every rank
         # issues collectives in the same order, so the counters agree.
         self._calls = 0
-        # Waits so far: how many, how many found their works unfinished, and the seconds
-        # those blocked (``wait_stats``: where a step's time goes on gloo).
-        self._waits = [0, 0]
+        # Waits so far and the seconds they blocked (``wait_stats``: where a step's time goes
+        # on gloo).
+        self._waits = 0
         self._waited_s = 0.0
         # Schedule check: a tag also encodes which collective it belongs to (group key and
         # kind) and the epoch, so ranks that run different collectives never pair their
@@ -174,12 +174,13 @@ class ProcessGroupComm:
         return self._calls
 
     @property
-    def wait_stats(self) -> tuple[int, int, float]:
-        """``(waits, unfinished, seconds)``: host waits for this communicator's collectives so
-        far, how many found the collective unfinished, and the seconds those blocked (on gloo
-        the wait is also when the receives' bytes are copied: the cost of the transfer the
-        compute did not hide). Zeros on NCCL, where a wait is a stream dependency."""
-        return self._waits[0], self._waits[1], self._waited_s
+    def wait_stats(self) -> tuple[int, float]:
+        """``(waits, seconds)``: host waits for this communicator's collectives so far and the
+        seconds they blocked. On gloo a wait is where the peers' bytes are received (a
+        point-to-point work reports itself complete only once waited for, so every wait goes
+        to the waiter thread and counts): the transfer cost the compute did not hide. Zeros on
+        NCCL, where a wait is a stream dependency."""
+        return self._waits, self._waited_s
 
     def _begin(self, key: int, kind: int, name: str | None) -> int:
         """Number the next collective (every rank counts alike) and remember what it is."""
@@ -225,12 +226,11 @@ class ProcessGroupComm:
             for w in works:
                 w.wait()
             return
-        self._waits[0] += 1
+        self._waits += 1
         if all(w.is_completed() for w in works):
             for w in works:
                 w.wait()
             return
-        self._waits[1] += 1
         done, box = self._waiter.submit(works)
         start = time.monotonic()
         deadline = start + self.timeout_s
