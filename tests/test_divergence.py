@@ -159,11 +159,11 @@ _MISMATCH = {
     "different_submodules": ("all-gather of group blocks.0", "all-gather of group blocks.1"),
     # The model's groups coalesce (one bucket of all three): the message names the bucket.
     "sync_off_on_one_rank": (
-        "reduce-scatter of group bucket (GPT (the root), blocks.1, blocks.0)",
+        "reduce-scatter of group bucket (blocks.1, blocks.0, GPT (the root))",
         "all-gather of group bucket (GPT (the root), blocks.0, blocks.1)",
     ),
     "more_micro_batches_on_one_rank": (
-        "reduce-scatter of group bucket (GPT (the root), blocks.1, blocks.0)",
+        "reduce-scatter of group bucket (blocks.1, blocks.0, GPT (the root))",
     ),
     "summon_on_one_rank": ("summon_full_params all-gather of group GPT (the root)",),
 }
