@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from ...core.errors import (
     CollectiveTimeoutError,
     PeerAbortedError,
 )
-from .schedule import ALL_REDUCE, OPS, Position, Waiter
+from .schedule import ALL_REDUCE, OPS, Position, reap, thread_waiter
 
 __all__ = ["ProcessGroupComm"]
 
@@ -110,7 +111,7 @@ class ProcessGroupComm:
         # it with the peers' (a mismatch is found in seconds; a slow peer is waited for).
         self.grace_s = float(os.environ.get("FFSDP_MISMATCH_GRACE", "2"))
         self._epoch = 0
-        self._waiter = Waiter()
+        self._retired: list[threading.Thread] = []  # waiter threads of abandoned waits
         self._abandoned: list[Any] = []  # works (and their buffers) a failed step left posted
         # Collective #n of this epoch: (n, key, kind, group name) at n % _RING.
         self._history: list[tuple[int, int, int, str | None] | None] = [None] * _RING
@@ -231,7 +232,7 @@ class ProcessGroupComm:
             for w in works:
                 w.wait()
             return
-        done, box = self._waiter.submit(works)
+        done, box = thread_waiter().submit(works)
         start = time.monotonic()
         deadline = start + self.timeout_s
         check_at = start + self.grace_s if seq is not None and self._world_size > 1 else math.inf
@@ -405,7 +406,9 @@ class ProcessGroupComm:
     def _abandon(self, works: list) -> None:
         # The posted buffers stay referenced: a late message must never land in freed memory.
         self._abandoned.append(works)
-        self._waiter.abandon()
+        retired = thread_waiter().abandon()
+        if retired is not None:
+            self._retired.append(retired)
 
     def drain(self) -> None:
         """``reset_iter_state`` on every rank, once every rank has stopped issuing collectives
@@ -447,7 +450,7 @@ class ProcessGroupComm:
         self.wait_works(works, "the messages reset_iter_state completes for the failed step")
         self._pending.clear()
         self._abandoned.clear()
-        self._waiter.reap(self.timeout_s)
+        self._retired = reap(self._retired, self.timeout_s)
 
     def _barrier(self, name: str) -> None:
         """Wait until every rank of the group reached ``name`` (through the store; bounded)."""
