@@ -67,7 +67,7 @@ class Schedule:
         forward: ``id(state)`` -> the states of its forward bucket, in forward order.
         backward: ``id(state)`` -> the states of its backward bucket, in backward order.
         reduce_buckets: the reduce buckets of several groups (cut on the order the groups'
-            gradients are complete).
+            post-backwards run).
         kept: ``id(state)`` of the states of the last forward bucket that may share a
             collective, when the bucket is no larger than the bucket size: their backward
             comes first, so they keep their unsharded buffer from the forward (registered
@@ -128,12 +128,7 @@ def _cut(
     states: Sequence[Scheduled], bucket_bytes: int
 ) -> tuple[tuple[Bucket, ...], dict[int, tuple[Scheduled, ...]]]:
     """Buckets over ``states`` (those with a group, each group once, in order)."""
-    seen: set[int] = set()
-    order: list[Scheduled] = []
-    for s in states:
-        if s.group is not None and id(s.group) not in seen:
-            seen.add(id(s.group))
-            order.append(s)
+    order = _first_uses(states)
     names = [f"{s.name}#{i}" for i, s in enumerate(order)]
     ok = [_eligible(s) for s in order]
     sizes = [s.group.layout.unsharded_bytes if s.group is not None else 0 for s in order]
@@ -156,8 +151,9 @@ def _cut(
 
 
 def _first_uses(order: Sequence[Scheduled]) -> list[Scheduled]:
-    """``order`` with each group at its first forward use only (where its pre-forward made
-    the ``UnshardFn`` node whose backward is its post-backward)."""
+    """``order``'s states with a group, each group at its first place only (in the forward
+    order: its first use, where its pre-forward made the ``UnshardFn`` node whose backward is
+    its post-backward)."""
     seen: set[int] = set()
     out = []
     for s in order:
