@@ -432,8 +432,9 @@ def test_last_forward_bucket_keeps_its_buffer_for_the_backward(world2) -> None:
 def test_reduce_buckets_follow_the_order_post_backwards_run(world2) -> None:
     n = CFG["n_layers"]
     for r in world2.run(case_reduce_order):
-        # The backward reaches the root first (its output is the loss) but completes its
-        # gradients last (the embedding is its first use): gathers and reductions differ.
+        # The backward reaches the root first (its output is the loss) but runs its
+        # post-backward last (its unshard node is the oldest, and autograd runs the ready
+        # nodes latest-made first): gathers and reductions are cut on different orders.
         assert r["gather_first"] == "GPT" and r["reduce_last"] == "GPT", r
         assert r["handed"] == [f"b{i}" for i in range(n - 1, -1, -1)] + ["root"], r
         assert len(r["flushes"]) == STEPS * len(r["reduce_buckets"]), r
