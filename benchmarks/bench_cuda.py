@@ -206,8 +206,8 @@ def _phase_peaks(model: Any, loss_of: Any, opt: Any, batch: Any) -> dict[str, fl
     loss.backward()
     phase("backward")
     out["after_backward"] = torch.cuda.memory_allocated() / mib
-    # A model's worth was sometimes still allocated here, under FSDP2 and ours alike (H200,
-    # 2026-11-26): if the collector frees it, it was cyclic garbage.
+    # The two readings differ when cyclic garbage holds GPU memory (a previous variant's model
+    # did, until main() collected between variants; H100, 2026-11-26).
     gc.collect()
     out["after_backward_gc"] = torch.cuda.memory_allocated() / mib
     opt.step()
@@ -286,6 +286,10 @@ def main() -> None:
                         continue
                     try:
                         results.append(run_variant(variant, recipe, model_name, args.steps))
+                        # FSDP modules are cyclic (module, state, hooks): without a collection
+                        # here the last variant's model stays allocated in the next one's
+                        # numbers (a model's worth on the next variant's peak, H100 2026-11-26).
+                        gc.collect()
                         if DEV == "cuda":
                             torch.cuda.empty_cache()
                     except Exception:  # report and go on: one run gives every other variant
