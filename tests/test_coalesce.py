@@ -24,6 +24,7 @@ from strategies import param_trees, world_sizes
 from functional_fsdp.core.coalesce import (
     begin_unshard_coalesced,
     issue_reduce_coalesced,
+    lands_by_member,
     packs_members,
     plan_buckets,
 )
@@ -247,6 +248,34 @@ def case_kept_for_backward() -> dict[str, Any]:
     return out
 
 
+def case_lazy_landing() -> dict[str, Any]:
+    """While a bucket's gather is in flight (prefetched during the bucket before it, in the
+    forward and in the backward), its members hold no buffer memory: each member's buffer is
+    allocated when the member lands, from its peers' received rows and its own shards."""
+    from functional_fsdp.testing.models import GPTConfig, synthetic_batch
+
+    model = _model("ours", 0, {})
+    block = model.blocks[0]._ffsdp_state.group.layout.unsharded_bytes
+    model.set_bucket_bytes(2 * block)  # buckets of two blocks
+    _train(model, {})
+    groups = [b._ffsdp_state.group for b in model.blocks]
+    seen: list[bool] = []  # per bucket member with its gather in flight: buffer allocated
+
+    def look(*_: Any) -> None:
+        for g in groups:
+            # (A group gathering alone receives straight into its buffer: no rows beside it.)
+            if g.slot.pending is not None and g.slot.pending.share is not None:
+                buf = g.slot.buffer
+                seen.append(buf is not None and buf.untyped_storage().size() > 0)
+
+    for b in model.blocks:
+        b.register_forward_hook(look)
+        b.register_full_backward_hook(look)
+    x, y = synthetic_batch(GPTConfig(**CFG), 4, seed=7)
+    model.loss(x, y).backward()
+    return {"in_flight": len(seen), "allocated": sum(seen)}
+
+
 def case_reduce_order() -> dict[str, Any]:
     """Where the backward's reduce-scatters are issued, with buckets that would put the root
     with the last blocks if cut on the backward's gather order: every bucket flushes when its
@@ -429,6 +458,14 @@ def test_last_forward_bucket_keeps_its_buffer_for_the_backward(world2) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_a_prefetched_bucket_holds_no_member_buffers(world2) -> None:
+    for r in world2.run(case_lazy_landing):
+        # Not vacuous: gathers were seen in flight, in forward and backward hooks.
+        assert r["in_flight"] >= 4 and r["allocated"] == 0, r
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 def test_reduce_buckets_follow_the_order_post_backwards_run(world2) -> None:
     n = CFG["n_layers"]
     for r in world2.run(case_reduce_order):
@@ -558,6 +595,57 @@ def test_coalesced_unshard_lands_every_member_as_alone(
     # groups then take the packed path too.
     world = SimulatedWorld(ws, pieces=pieces, pieces_min_bytes=(1 << 40) if packed_members else 0)
     for alone, joined in world.run(rank):
+        for a, b in zip(alone, joined):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@given(
+    trees=st.lists(param_trees(dtypes=[torch.float32], max_leaves=3), min_size=2, max_size=4),
+    ws=st.integers(2, 4),
+    order=st.randoms(use_true_random=False),
+    drop=st.integers(0, 3),
+)
+def test_members_land_one_by_one_and_the_rows_go_with_the_last(
+    trees: list[Any], ws: int, order: Any, drop: int
+) -> None:
+    """Without buffers (the pieces gather of dim-0 groups), each member lands its part when
+    asked, in any order, equal to its own gather; the received rows are freed once, right
+    after the last member landed or dropped its part. Elsewhere no buffers is a named error."""
+
+    def rank(c: Any) -> tuple[list[Any], list[Any], list[int]]:
+        states = [shard(t, world_size=ws, rank=c.rank) for t in trees]
+        alone = [unshard(s, c).params for s in states]
+        if not lands_by_member(states, c):
+            with pytest.raises(StateError, match="pass every member's buffer"):
+                begin_unshard_coalesced(states, c, None)
+            return alone, alone, [len(states)]
+        frees: list[int] = []
+        done = 0
+
+        def free(t: torch.Tensor) -> None:
+            frees.append(done)
+            t.untyped_storage().resize_(0)
+
+        pendings = begin_unshard_coalesced(states, c, None, async_op=False, free=free)
+        assert all(p.into is None and p.share is not None for p in pendings)
+        idx = list(range(len(states)))
+        order.shuffle(idx)
+        dropped = set(idx[: min(drop, len(idx) - 1)])
+        joined: list[Any] = [None] * len(states)
+        for i in idx:
+            if i in dropped:
+                pendings[i].share.drop()
+                pendings[i].share.drop()  # idempotent
+                joined[i] = alone[i]
+            else:
+                into = torch.empty(ws * wire(states[i].layout)[0].total)
+                joined[i] = finish_unshard(pendings[i], into=into).params
+            done += 1
+        return alone, joined, frees
+
+    for alone, joined, frees in SimulatedWorld(ws, pieces=True).run(rank):
+        last = len(trees) - 1  # members done before the last one's landing or drop
+        assert frees in ([last], [last, last]), frees
         for a, b in zip(alone, joined):
             assert all(torch.equal(x, y) for x, y in zip(a, b))
 

@@ -19,7 +19,9 @@ handle per group, each the same type the one-group path returns
 (:class:`~.transitions.PendingUnshard`, :class:`~.reduction.PendingReduce`), so landing and
 finishing a group's part are the one-group code: the gather's handle lands as if the pieces had
 arrived in the group's buffer (the bucket's output is copied out into every member's buffer when
-the first member waits), and the reduction's output is the group's slice of the bucket's.
+the first member waits; or, on the pieces path of dim-0 groups, into each member's buffer as that
+member lands, so no member's buffer exists before it is needed), and the reduction's output is
+the group's slice of the bucket's.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from .comm import Communicator, PiecesCommunicator, Work, check_comm
 from .errors import StateError
-from .records import ShardedState
+from .records import GroupLayout, ShardedState
 from .reduction import PendingReduce, ReduceInput, empty_buffer
 from .transitions import (
     GatherInput,
@@ -51,6 +53,7 @@ __all__ = [
     "CommunicationSchedule",
     "begin_unshard_coalesced",
     "issue_reduce_coalesced",
+    "lands_by_member",
     "packs_members",
     "plan_buckets",
 ]
@@ -175,7 +178,7 @@ def _check_bucket(states: Sequence[ShardedState], comm: Communicator, what: str)
 def begin_unshard_coalesced(
     states: Sequence[ShardedState],
     comm: Communicator,
-    intos: Sequence[torch.Tensor],
+    intos: Sequence[torch.Tensor] | None,
     *,
     async_op: bool = True,
     guard: Callable[[tuple[torch.Tensor, ...]], AbstractContextManager[object]] | None = None,
@@ -193,10 +196,15 @@ def begin_unshard_coalesced(
     Each handle then lands like a gather whose pieces arrived in its buffer. Identity codecs
     only, one wire dtype for the bucket.
 
+    Without ``intos`` (:func:`lands_by_member` buckets only) each handle carries its part of
+    the received rows (``PendingUnshard.share``), laid out when it lands into the buffer the
+    caller passes then; the rows are freed once every member has landed or dropped its part.
+
     Args:
         states: the members' sharded states, in bucket order (every rank the same).
         comm: the shard group.
-        intos: per member, its unsharded buffer (``world_size`` rows of its packing).
+        intos: per member, its unsharded buffer (``world_size`` rows of its packing), or
+            ``None``: laid out member by member at landing (see above).
         async_op: return before the collective completes.
         guard: a context the copy-out into the buffers runs in (the shell keeps their
             autograd version counters, as for a one-group landing).
@@ -212,8 +220,10 @@ def begin_unshard_coalesced(
             "coalesced unshard: a bucket's groups must share one wire dtype and identity "
             f"codecs (got dtypes {sorted(str(d) for d in dtypes)})"
         )
-    if comm.supports_pieces and all(gathers_in_place(s.layout) for s in states):
+    if lands_by_member(states, comm):
         return _gather_peer_rows(states, encoded, comm, intos, async_op, guard, alloc, free)
+    if intos is None:
+        raise StateError("coalesced unshard: pass every member's buffer (not a pieces gather)")
     sizes = [e.tensor.numel() for e in encoded]
     total = sum(sizes)
     ws = comm.world_size
@@ -261,11 +271,94 @@ def packs_members(comm: Communicator, row_bytes: Sequence[int]) -> bool:
     return sum(row_bytes) < per_message * len(row_bytes)
 
 
+def lands_by_member(states: Sequence[ShardedState], comm: Communicator) -> bool:
+    """Whether a coalesced gather of ``states`` receives only the peers' rows (the pieces
+    collectives, dim-0 members), so that it can hand them out member by member."""
+    return comm.supports_pieces and all(gathers_in_place(s.layout) for s in states)
+
+
+class _BucketRows:
+    """A *handle*: a bucket's received rows (and packed send buffer), handed out member by
+    member (:class:`_MemberRows`), freed once every member has landed or dropped its part."""
+
+    __slots__ = ("_free", "_left", "_work", "rows", "send")
+
+    def __init__(
+        self,
+        work: Work,
+        rows: torch.Tensor,
+        send: torch.Tensor | None,
+        members: int,
+        free: Callable[[torch.Tensor], None],
+    ) -> None:
+        self._work: Work | None = work
+        self.rows, self.send = rows, send
+        self._left = members
+        self._free = free
+
+    def wait(self) -> None:
+        """Wait for the collective (the first time only)."""
+        if self._work is not None:
+            work, self._work = self._work, None
+            work.wait()
+
+    def done(self) -> None:
+        """One member is done with its part; the last frees the rows and the send buffer."""
+        self._left -= 1
+        if self._left == 0:
+            self._free(self.rows)
+            if self.send is not None:
+                self._free(self.send)
+
+
+class _MemberRows:
+    """One member's part of :class:`_BucketRows` (a :class:`~.transitions.RowShare`); also
+    the member's ``work`` (waiting waits for the bucket's collective)."""
+
+    __slots__ = ("_bucket", "_done", "_layout", "_own", "_part", "_rank")
+
+    def __init__(
+        self,
+        bucket: _BucketRows,
+        layout: GroupLayout,
+        rank: int,
+        own: torch.Tensor,
+        part: torch.Tensor,
+    ) -> None:
+        self._bucket, self._layout, self._rank = bucket, layout, rank
+        self._own, self._part = own, part
+        self._done = False
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The bucket's received rows."""
+        return self._bucket.rows
+
+    def wait(self) -> None:
+        """Wait for the bucket's collective."""
+        self._bucket.wait()
+
+    def fill(self, into: torch.Tensor) -> None:
+        """Lay this member's rows (the peers' received, this rank's own shards) out in
+        ``into``; its part is then done."""
+        self._bucket.wait()
+        rows = list(self._part.unbind(0))
+        rows.insert(self._rank, self._own)
+        copy_out_rows(self._layout, rows, into)
+        self.drop()
+
+    def drop(self) -> None:
+        """This member's part is done (landed, or given up unlanded); idempotent."""
+        if not self._done:
+            self._done = True
+            self._bucket.done()
+
+
 def _gather_peer_rows(
     states: Sequence[ShardedState],
     encoded: Sequence[GatherInput],
     comm: Communicator,
-    intos: Sequence[torch.Tensor],
+    intos: Sequence[torch.Tensor] | None,
     async_op: bool,
     guard: Callable[[tuple[torch.Tensor, ...]], AbstractContextManager[object]] | None,
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None,
@@ -296,8 +389,19 @@ def _gather_peer_rows(
             outputs[r] = [p[k] for p in parts]
         inputs = [e.tensor for e in encoded]
     work = cast(PiecesCommunicator, comm).all_gather_pieces(outputs, inputs, async_op=async_op)
+    if intos is None:
+        bucket = _BucketRows(work, out, send, len(states), free or _free)
+        shares = [
+            _MemberRows(bucket, s.layout, me, e.tensor, part)
+            for s, e, part in zip(states, encoded, parts)
+        ]
+        return [
+            PendingUnshard(s.layout, s.rank, None, m, s, None, share=m)
+            for s, m in zip(states, shares)
+        ]
 
     def hand_out() -> None:
+        assert intos is not None
         with contextlib.nullcontext() if guard is None else guard(tuple(intos)):
             for s, e, part, into in zip(states, encoded, parts, intos):
                 rows = list(part.unbind(0))

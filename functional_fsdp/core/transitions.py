@@ -21,7 +21,7 @@ State diagram (per group)::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import attrs
 import optree
@@ -65,6 +65,7 @@ __all__ = [
     "PendingReduce",
     "Landed",
     "PendingUnshard",
+    "RowShare",
     "ReduceInput",
     "accumulate_local_grads",
     "begin_reduce",
@@ -252,6 +253,9 @@ class PendingUnshard:
     returned (``None``: every codec is the identity). ``input`` is the all-gather input when
     the encode made a new buffer (``None``: the state's own tensor was sent); like ``output``
     it belongs to the collective until ``work.wait()``, then to the caller, who may free it.
+    ``share`` is set for a member of a bucket whose rows are handed out one member at a time
+    (:func:`~.coalesce.begin_unshard_coalesced` without buffers): landing fills the caller's
+    buffer from it, and a handle dropped unlanded must :meth:`RowShare.drop` it.
     """
 
     layout: GroupLayout
@@ -263,6 +267,21 @@ class PendingUnshard:
     codecs: tuple[C.GatherCodec | None, ...] | None = None
     metadata: tuple[Any, ...] | None = None
     input: torch.Tensor | None = None
+    share: RowShare | None = None
+
+
+class RowShare(Protocol):
+    """A *handle*: one group's part of a bucket's gathered rows, not yet laid out."""
+
+    def fill(self, into: torch.Tensor) -> None:
+        """Lay the group's gathered rows out in ``into`` (after the collective completed)."""
+
+    def drop(self) -> None:
+        """Give the part up unlanded (the bucket frees its rows once every part is done)."""
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """The bucket's received rows this part is read from (for stream annotations)."""
 
 
 @attrs.frozen(eq=False)
@@ -448,6 +467,11 @@ def _landing_buffer(pending: PendingUnshard, into: torch.Tensor | None) -> torch
     """The buffer the gathered inputs lie in per parameter (copied out of the rank-major
     output unless the pieces landed there, or at world size 1 with no buffer asked for)."""
     lay = pending.layout
+    if pending.share is not None:  # a bucket member's rows, laid out now
+        buf = into if into is not None else pending.into
+        assert buf is not None, "a bucket member lands into a buffer the caller passes"
+        pending.share.fill(buf)
+        return buf
     if pending.output is None:  # the pieces landed in pending.into
         buf = pending.into
         assert buf is not None

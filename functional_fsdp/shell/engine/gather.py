@@ -38,6 +38,7 @@ import torch
 
 from ...core import codec as C
 from ...core import transitions as T
+from ...core.coalesce import lands_by_member
 from ...core.comm import Communicator
 from ...core.errors import GatherCodecError
 from ...core.records import GroupLayout, PostForwardState, ShardedState
@@ -304,9 +305,16 @@ def start_coalesced(
     """Issue one all-gather for several groups' slots (a bucket: see
     :mod:`functional_fsdp.core.coalesce`); each slot then lands its part as if its own gather
     had been in flight. Every slot must be :meth:`~GatherSlot.ready_to_coalesce` and share
-    ``comm``'s runtime."""
+    ``comm``'s runtime.
+
+    Where the bucket receives only the peers' rows (:func:`~functional_fsdp.core.coalesce.
+    lands_by_member`), no member's buffer is allocated now: each is allocated when its
+    member lands (:meth:`GatherSlot.wait`), so a prefetched bucket holds the peers' rows alone
+    until its members run, and a member's buffer can reuse the one the member before it freed.
+    """
     rt = slots[0].runtime
-    intos = [slot.alloc() for slot in slots]
+    lazy = lands_by_member(sources, comm)
+    intos = None if lazy else [slot.alloc() for slot in slots]
     with torch.no_grad():
         pendings = ordering.issue_gather_coalesced(
             rt, sources, comm, intos, guard=_preserve_versions

@@ -114,28 +114,35 @@ def issue_gather_coalesced(
     rt: DeviceRuntime,
     sources: Sequence[ShardedState],
     comm: Communicator,
-    intos: Sequence[torch.Tensor],
+    intos: Sequence[torch.Tensor] | None,
     *,
     guard: Callable[[tuple[torch.Tensor, ...]], Any] | None = None,
 ) -> list[T.PendingUnshard]:
     """A bucket's one all-gather (:func:`~functional_fsdp.core.coalesce.begin_unshard_coalesced`):
     the copy-in (the members' shards side by side) and the collective on the all-gather
-    stream, after compute (which wrote the shards and freed the buffers). The bucket's output is
-    copied out into every member's buffer when the first member's landing waits for it, on the
-    all-gather stream, before the event compute waits for."""
+    stream, after compute (which wrote the shards and freed the buffers). With ``intos``, the
+    bucket's output is copied out into every member's buffer when the first member's landing
+    waits for it, on the all-gather stream, before the event compute waits for. Without, each
+    member's landing lays its rows out on compute (:func:`land_gather`), and the rows are freed
+    after compute's reads once every member is done."""
     ci, ag = rt.side_stream("copy_in"), rt.side_stream("all_gather")
     rt.wait_stream(ci, rt.compute)
     rt.wait_stream(ag, ci)
+
+    def free(t: torch.Tensor) -> None:
+        rt.free_after(t, [] if intos is not None else consumers_done(rt))
+
     with rt.use(ag):
         pendings = begin_unshard_coalesced(
-            sources, comm, intos, guard=guard, alloc=rt.empty, free=lambda t: rt.free_after(t, [])
+            sources, comm, intos, guard=guard, alloc=rt.empty, free=free
         )
         if rt.checks:
+            shares = [p.share for p in pendings if p.share is not None]
             rt.access(
                 ag,
                 "all-gather (coalesced)",
                 reads=[s.flat for s in sources],
-                writes=list(intos),
+                writes=list(intos) if intos is not None else [shares[0].rows],
             )
     return pendings
 
@@ -191,8 +198,12 @@ def land_gather(
     wait_for_gather(rt, gathered)
     s = copy_out_stream(rt)
     with rt.use(s):
+        if rt.checks and pending.share is not None:
+            # (before the landing: the last member's frees the bucket's rows)
+            reads = [pending.share.rows] + ([pending.source.flat] if pending.source else [])
+            rt.access(s, "all-gather copy-out (bucket member)", reads=reads, writes=[into])
         landed = T.land_unshard(pending, into=into, out=out)
-        if rt.checks:
+        if rt.checks and pending.share is None:
             _annotate_landing(rt, s, pending, into, landed)
     copied = rt.record(s)
     _free_temporaries(rt, pending, staged, gathered)
@@ -221,6 +232,8 @@ def retire_gather(
     _free_temporaries(rt, pending, staged, gathered)
     if pending.output is not None:
         rt.free_after(pending.output, [gathered])
+    if pending.share is not None:
+        pending.share.drop()
     return gathered
 
 
