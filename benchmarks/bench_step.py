@@ -205,9 +205,11 @@ def _worker(
     loss_fn = model if variant == "ddp" else model.loss  # type: ignore[union-attr]
     times, losses = [], []
     waits0 = _wait_stats()
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             waits0 = _wait_stats()
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         x, y = (t.to(device) for t in synthetic_batch(cfg, args.batch, seed=1000 * step + rank))
         if ws > 1:
             dist.barrier()
@@ -229,6 +231,7 @@ def _worker(
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
     waits = [b - a for a, b in zip(waits0, _wait_stats())]
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     local_numel = sum(
         (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()
     )
@@ -243,6 +246,7 @@ def _worker(
         "local_param_numel": local_numel,
         "replicas_equal": _replicas_equal(model) if variant == "ddp" else True,
         "waits": [w / args.steps for w in waits],
+        "faults": faults / args.steps,
     }
     out.put(res)  # type: ignore[attr-defined]
     if ws > 1:
@@ -304,6 +308,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
         "peak_rss_mib": max(r["peak_rss_mib"] for r in results),
         "peak_gpu_mib": max(r["peak_gpu_mib"] for r in results),
         "waits": max((r["waits"] for r in results), key=lambda w: w[-1]),
+        "faults": max(r["faults"] for r in results),
         "final_loss": results[0]["final_loss"],
         "local_param_numel": results[0]["local_param_numel"],
     }
@@ -386,6 +391,14 @@ def main() -> None:
             + "; ".join(
                 f"{_label(v)} {w[-1] * 1e3:.1f} ms in {w[0]:.0f} waits" for v, w in blocked.items()
             )
+        )
+    if args.device == "cpu":
+        # Each fresh 4 KiB page of host memory costs a fault and its zeroing on first touch
+        # (freed buffers return to the kernel: see _mallopt); the host buffer pool trades
+        # resident memory for fewer of them.
+        print(
+            "minor page faults per step (the rank with more): "
+            + "; ".join(f"{_label(v)} {r['faults']:.0f}" for v, r in rows.items())
         )
     ours_b, fsdp2_b = _collective_bytes(cfg, args.world_size, raf=True)
     print(
