@@ -193,9 +193,12 @@ def case_host_pool() -> dict[str, Any]:
         # Buckets of about two blocks: (root, b0), (b1, b2), (b3); the last is kept for the
         # backward, the others gather again there through the pool.
         model = _model("ours", 512 << 10, {}, POOL_CFG)
+        at_forward_end: list[int] = []
+        model.register_forward_hook(lambda *_, seen=at_forward_end: seen.append(pool.retained))
         _train(model, {}, POOL_CFG)
         hits[name] = pool.hits - before
-        kept[name] = pool.retained  # the end of each backward gave it back
+        # The end of each forward (where activations peak) and of each backward gave it back.
+        kept[name] = pool.retained + sum(at_forward_end)
         runs[name] = _full(model)
     set_host_buffer_pool_bytes(16 << 20)
     theirs = _model("fsdp2", 0, {}, POOL_CFG)

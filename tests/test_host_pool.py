@@ -14,7 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from functional_fsdp.shell.device.pool import MAX_BYTES, MIN_BYTES, HostBufferPool
+from functional_fsdp.shell.device.pool import (
+    MAX_BYTES,
+    MIN_BYTES,
+    PER_SIZE,
+    HostBufferPool,
+    size_class,
+)
 from functional_fsdp.shell.device.runtime import CPURuntime
 
 N = MIN_BYTES // 4  # float32 elements of the smallest pooled buffer
@@ -62,14 +68,15 @@ def test_sizes_outside_the_range_and_other_devices_are_not_kept() -> None:
 
 
 def test_size_bounds_what_is_kept_and_zero_turns_it_off() -> None:
-    pool = HostBufferPool(2 * MIN_BYTES)
-    bufs = [pool.empty(N, torch.float32, torch.device("cpu")) for _ in range(4)]
+    sizes = [64 << 10, 96 << 10, 128 << 10, 192 << 10]  # four size classes
+    pool = HostBufferPool((128 << 10) + (192 << 10))
+    bufs = [pool.empty(n // 4, torch.float32, torch.device("cpu")) for n in sizes]
     ptrs = [b.data_ptr() for b in bufs]
     for b in bufs:
         pool.drain(b.untyped_storage())
-    assert pool.retained == 2 * MIN_BYTES
+    assert pool.retained == (128 << 10) + (192 << 10)
     # The least recently freed went first: the last two are the ones kept.
-    got = {pool.empty(N, torch.float32, torch.device("cpu")).data_ptr() for _ in range(2)}
+    got = {pool.empty(n // 4, torch.float32, torch.device("cpu")).data_ptr() for n in sizes[2:]}
     assert got == set(ptrs[2:])
     pool.drain(pool.empty(N, torch.float32, torch.device("cpu")).untyped_storage())
     pool.set_max_bytes(0)
@@ -77,6 +84,38 @@ def test_size_bounds_what_is_kept_and_zero_turns_it_off() -> None:
     t = pool.empty(N, torch.float32, torch.device("cpu"))
     pool.drain(t.untyped_storage())
     assert pool.retained == 0 and t.untyped_storage().nbytes() == 0
+
+
+def test_one_buffer_of_a_size_is_kept() -> None:
+    """The engine uses a size's buffers one or two at a time: more of one size would only be
+    resident memory nobody asks for (the backward frees the forward's kept buffers together)."""
+    pool = HostBufferPool(64 << 20)
+    bufs = [pool.empty(N, torch.float32, torch.device("cpu")) for _ in range(3)]
+    first = bufs[0].data_ptr()
+    for b in bufs:
+        pool.drain(b.untyped_storage())
+    assert PER_SIZE == 1 and pool.retained == N * 4
+    assert all(b.untyped_storage().nbytes() == 0 for b in bufs)
+    assert pool.empty(N, torch.float32, torch.device("cpu")).data_ptr() == first
+
+
+def test_neighbouring_sizes_share_a_class() -> None:
+    """Temporary buffers of neighbouring sizes (the rows of buckets of 4 and 5 blocks) reuse
+    one another's memory; each sees only its own elements."""
+    pool = HostBufferPool(64 << 20)
+    a = pool.empty(395_776, torch.float32, torch.device("cpu"))  # 1.51 MiB
+    ptr = a.data_ptr()
+    assert a.untyped_storage().nbytes() == 2 << 20
+    pool.drain(a.untyped_storage())
+    b = pool.empty(494_720, torch.float32, torch.device("cpu"))  # 1.89 MiB
+    assert b.data_ptr() == ptr and b.numel() == 494_720 and pool.hits == 1
+
+
+@given(st.integers(1, 1 << 40))
+def test_size_classes_round_up_by_at_most_a_half(n: int) -> None:
+    c = size_class(n)
+    assert n <= c and 2 * c <= 3 * n and size_class(c) == c
+    assert size_class(n + 1) >= c  # monotonic
 
 
 def test_without_storage_moves_nothing_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:

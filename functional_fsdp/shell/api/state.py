@@ -353,6 +353,9 @@ class FSDPState:
             for s in self.all_states:
                 if s.group is not None and s.group.pending is not None:
                     s.group.discard_pending()
+            runtime = self.runtime()
+            if runtime is not None:
+                runtime.forward_ends()
         return output
 
     # ------------------------------------------------------------------ backward

@@ -222,6 +222,9 @@ class CudaRuntime:
         self._tag(t.untyped_storage())
         return t
 
+    def forward_ends(self) -> None:
+        """Nothing kept on the host here."""
+
     def release_kept(self) -> None:
         """The backward is over: the gather streams wait for compute, so the buffers compute
         read last (the last gathers' outputs and copy-ins) are freed now, in stream order,

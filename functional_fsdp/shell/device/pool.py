@@ -8,8 +8,9 @@ costs a page fault and zeroing on first touch: about 1.6 us a page on this machi
 deep model's overhead. Buffers of 4 MiB and more get transparent huge pages instead
 (:mod:`~functional_fsdp.shell.engine.memory`); this pool serves the smaller ones.
 
-:class:`HostBufferPool` keeps freed memory, by exact size, up to ``max_bytes``, and hands it to
-the next buffer of that size. Memory moves between storages with
+:class:`HostBufferPool` keeps freed memory, by size, one buffer of a size at most, up to
+``max_bytes``, and hands it to the next buffer of that size (its temporary buffers are
+allocated by size class, :func:`size_class`, so neighbouring sizes share one). Memory moves between storages with
 ``UntypedStorage._swap_data_ptr_``: a freed storage is left with no memory, exactly as
 ``resize_(0)`` leaves it, so a stale view of a freed buffer can never see a later owner's
 bytes; and a buffer that autograd saved views of is given memory in place (the same storage,
@@ -25,7 +26,13 @@ from collections import OrderedDict
 
 import torch
 
-__all__ = ["HostBufferPool", "host_buffer_pool", "set_host_buffer_pool_bytes", "spanned_bytes"]
+__all__ = [
+    "HostBufferPool",
+    "host_buffer_pool",
+    "set_host_buffer_pool_bytes",
+    "size_class",
+    "spanned_bytes",
+]
 
 #: Buffers below this are left to malloc (it keeps small blocks in its heap).
 MIN_BYTES = 64 << 10
@@ -35,14 +42,19 @@ MAX_BYTES = 4 << 20
 #: bucket's freed buffers wait here for the next bucket's). On the deep benchmark model 8 MiB
 #: saves as many page faults as 16 (35-38 thousand a step against 59-60 thousand with none).
 DEFAULT_BYTES = 8 << 20
+#: Buffers kept per size at most: the engine's buffers of one size are used one or two at a
+#: time (a member's buffer is freed before the next member's is made); more would only sit
+#: in resident memory (the backward frees the buffers the forward kept for it all at once).
+PER_SIZE = 1
 #: Whether this torch can move memory between storages (a private method, present in the
 #: supported releases); without it the pool keeps nothing and every buffer is new, as before.
 CAN_MOVE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
 
 class HostBufferPool:
-    """Freed CPU buffer memory kept by exact byte size, up to ``max_bytes`` (least recently
-    freed dropped first). Thread-safe (backward hooks may run on autograd's threads)."""
+    """Freed CPU buffer memory kept by byte size (:data:`PER_SIZE` of a size), up to
+    ``max_bytes`` (least recently freed dropped first). Thread-safe (backward hooks may run on
+    autograd's threads)."""
 
     def __init__(self, max_bytes: int = DEFAULT_BYTES) -> None:
         self._free: OrderedDict[int, list[torch.UntypedStorage]] = OrderedDict()
@@ -100,21 +112,32 @@ class HostBufferPool:
             storage.resize_(0)
             return
         held = torch.UntypedStorage(0, device=storage.device)
-        _move(storage, held)
         with self._lock:
-            self._free.setdefault(nbytes, []).append(held)
+            kept = self._free.setdefault(nbytes, [])
+            if len(kept) >= PER_SIZE:
+                storage.resize_(0)
+                return
+            _move(storage, held)
+            kept.append(held)
             self._free.move_to_end(nbytes)
             self.retained += nbytes
             dropped = self._evict()
         _release(dropped)
 
     def empty(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A new 1-D buffer of ``numel`` ``dtype`` elements (``torch.empty``'s contents)."""
-        if not self._poolable(numel * dtype.itemsize, device):
+        """A new 1-D buffer of ``numel`` ``dtype`` elements (``torch.empty``'s contents).
+
+        Its storage is of the size class of its bytes (:func:`size_class`), so the temporary
+        buffers of neighbouring sizes (the rows of buckets of 4 and 5 groups) reuse one
+        another's memory; pages past the end it uses are never touched, so never resident."""
+        nbytes = numel * dtype.itemsize
+        if nbytes >= MIN_BYTES and size_class(nbytes) < MAX_BYTES:
+            nbytes = size_class(nbytes)
+        if not self._poolable(nbytes, device):
             return torch.empty(numel, dtype=dtype, device=device)
         t = torch.empty(0, dtype=dtype, device=device)
         storage = t.untyped_storage()
-        self.fill(storage, numel * dtype.itemsize)
+        self.fill(storage, nbytes)
         return t.set_(storage, 0, (numel,), (1,))
 
     def clear(self) -> None:
@@ -134,6 +157,15 @@ class HostBufferPool:
             if not kept:
                 del self._free[nbytes]
         return dropped
+
+
+def size_class(nbytes: int) -> int:
+    """The size :meth:`HostBufferPool.empty` allocates for ``nbytes``: the next of ``2**k``
+    and ``3 * 2**(k - 2)`` (at most half as much again as asked for)."""
+    if nbytes <= 1:
+        return nbytes
+    p = 1 << (nbytes - 1).bit_length()
+    return p * 3 // 4 if nbytes <= p * 3 // 4 else p
 
 
 def spanned_bytes(tensor: torch.Tensor) -> int:

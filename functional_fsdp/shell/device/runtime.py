@@ -134,6 +134,10 @@ class DeviceRuntime(Protocol):
         """The backward is over: give back memory kept for reuse."""
         ...
 
+    def forward_ends(self) -> None:
+        """The root's forward is over: memory kept for reuse can go (the activations peak)."""
+        ...
+
 
 class CPURuntime:
     """One stream; every operation is complete when it returns (today's CPU behaviour)."""
@@ -203,4 +207,9 @@ class CPURuntime:
 
     def release_kept(self) -> None:
         """Empty the host buffer pool: it refills within the next forward's first buckets."""
+        self._pool.clear()
+
+    def forward_ends(self) -> None:
+        """Empty the host buffer pool (:mod:`.pool`): what it kept would sit in resident
+        memory through the end of the forward, where a step's memory peaks."""
         self._pool.clear()

@@ -219,6 +219,9 @@ class StreamSimulator:
         """``torch.empty`` (the simulator checks orders, not memory reuse)."""
         return torch.empty(numel, dtype=dtype, device=device)
 
+    def forward_ends(self) -> None:
+        """Nothing kept on the host here."""
+
     def release_kept(self) -> None:
         """Nothing (the simulator keeps nothing)."""
 
