@@ -11,10 +11,10 @@ deep model's overhead. Buffers of 4 MiB and more get transparent huge pages inst
 :class:`HostBufferPool` keeps freed memory, by size, one buffer of a size at most, up to
 ``max_bytes``, and hands it to the next buffer of that size (its temporary buffers are
 allocated by size class, :func:`size_class`, so neighbouring sizes share one). Memory moves
-between storages with ``UntypedStorage._swap_data_ptr_``: a freed storage is left with no memory, exactly as
-``resize_(0)`` leaves it, so a stale view of a freed buffer can never see a later owner's
-bytes; and a buffer that autograd saved views of is given memory in place (the same storage,
-as ``resize_`` does). Retained memory counts in the process's resident size: ``max_bytes``
+between storages with ``UntypedStorage._swap_data_ptr_``: a freed storage is left with no
+memory, exactly as ``resize_(0)`` leaves it, so a stale view of a freed buffer can never see a
+later owner's bytes; and a buffer that autograd saved views of is given memory in place (the
+same storage, as ``resize_`` does). Retained memory counts in the process's resident size: ``max_bytes``
 is the trade (``set_host_buffer_pool_bytes``; 0 turns the pool off).
 """
 
