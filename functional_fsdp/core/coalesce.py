@@ -342,9 +342,7 @@ class _MemberRows:
         """Lay this member's rows (the peers' received, this rank's own shards) out in
         ``into``; its part is then done."""
         self._bucket.wait()
-        rows = list(self._part.unbind(0))
-        rows.insert(self._rank, self._own)
-        copy_out_rows(self._layout, rows, into)
+        _lay_out_member(self._layout, self._rank, self._own, self._part, into)
         self.drop()
 
     def drop(self) -> None:
@@ -352,6 +350,16 @@ class _MemberRows:
         if not self._done:
             self._done = True
             self._bucket.done()
+
+
+def _lay_out_member(
+    layout: GroupLayout, rank: int, own: torch.Tensor, part: torch.Tensor, into: torch.Tensor
+) -> None:
+    """Lay one member's rows out in its buffer ``into``: the peers' received rows (``part``,
+    one row per peer) with this rank's own shards (``own``) in its place."""
+    rows = list(part.unbind(0))
+    rows.insert(rank, own)
+    copy_out_rows(layout, rows, into)
 
 
 def _gather_peer_rows(
@@ -404,9 +412,7 @@ def _gather_peer_rows(
         assert intos is not None
         with contextlib.nullcontext() if guard is None else guard(tuple(intos)):
             for s, e, part, into in zip(states, encoded, parts, intos):
-                rows = list(part.unbind(0))
-                rows.insert(me, e.tensor)
-                copy_out_rows(s.layout, rows, into)
+                _lay_out_member(s.layout, me, e.tensor, part, into)
         (free or _free)(out)
         if send is not None:
             (free or _free)(send)
