@@ -11,12 +11,15 @@ tensors. Models (``--model``):
   compute each, so per-group overhead (hooks, autograd Functions, messages) dominates.
 
     python benchmarks/bench_step.py [--model deep] [--steps 12] [--rounds 2]
-        [--variants floor,fsdp2,ours,ddp,repro] [--micro-batches 2] [--compile] [--device cuda]
+        [--variants floor,fsdp2,ours,ddp,wire,repro] [--micro-batches 2] [--compile] [--device cuda]
 
 ``--device cuda``: the same comparison on ``--world-size`` GPUs of one machine, one per rank on
 NCCL, each step synchronized, memory as each rank's ``torch.cuda.max_memory_allocated`` (the
 floor on one GPU). Not yet run: no machine of several GPUs has been lent to this project.
 
+``wire``: the plain model on every rank (no FSDP), plus ours' collectives of a step as bare
+point-to-point messages, all posted when the step begins and waited for after the backward
+(``_Wire``): the price of FSDP's bytes over gloo with perfect overlap, a floor for any FSDP here.
 ``repro``: ours with ``ReproduciblePolicy(virtual_world_size=world size x micro-batches)`` on
 every group (the cost of bit-identical training at any world size: docs/reproducibility.md).
 ``copies``: ours with ``keep_neighbour_copies`` (every rank also receives its neighbour's
@@ -146,35 +149,51 @@ def _replicas_equal(model: torch.nn.Module) -> bool:
     return bool(torch.equal(hi, lo))
 
 
+def _shards(cfg: GPTConfig, ws: int) -> tuple[list[int], list[int]]:
+    """Each group's (shard elements, unsharded bytes), in forward order (the root first). A
+    parameter is sharded on dim 0 and padded to ``ceil(dim0 / ws)`` rows (FSDP2's rule)."""
+    model = GPT(cfg)
+    root = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
+    groups = [root] + [list(b.parameters()) for b in model.blocks]
+    shard = [
+        sum(-(-p.shape[0] // ws) * (p[0].numel() if p.dim() > 1 else 1) for p in ps)
+        for ps in groups
+    ]
+    return shard, [4 * sum(p.numel() for p in ps) for ps in groups]
+
+
+def _messages(
+    cfg: GPTConfig, ws: int, raf: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[int]:
+    """Ours' collectives in a step, as the elements each rank sends to each peer, in the order
+    they are issued: the forward all-gathers (one per bucket), the backward re-gathers when
+    resharding (every bucket's blocks, never the root; not the last forward bucket, which ours
+    keeps for the backward when within the bucket size), then the reduce-scatters."""
+    shard, full = _shards(cfg, ws)
+    cut = plan_buckets([str(i) for i in range(len(full))], full, [True] * len(full), bucket_bytes)
+    per_bucket = [sum(shard[int(n)] for n in b.groups) for b in cut]
+    kept = cut[-1].unsharded_bytes <= bucket_bytes
+    regather = [
+        sum(shard[int(n)] for n in b.groups if n != "0")
+        for i, b in enumerate(cut)
+        if raf and not (kept and i == len(cut) - 1)
+    ]
+    return per_bucket + [n for n in reversed(regather) if n] + per_bucket[::-1]
+
+
 def _collective_bytes(
     cfg: GPTConfig, ws: int, raf: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> tuple[int, int]:
     """Bytes each rank sends per step: (ours with buckets of ``bucket_bytes``, FSDP2 on gloo).
 
-    Both all-gather the same shards in forward, and FSDP2 gathers every block again in
-    backward when resharding (never the root); ours keeps the last forward bucket (when within
-    the bucket size) for the backward instead. Our reduce-scatter sends ``ws - 1`` chunks per
-    rank; gloo's ``reduce_scatter_tensor``, which FSDP2 calls, is an all-reduce inside gloo and
-    sends twice that (ring all-reduce).
+    Ours: :func:`_messages`, to each of ``ws - 1`` peers. FSDP2 gathers every block again in
+    backward when resharding (never the root), and gloo's ``reduce_scatter_tensor``, which
+    FSDP2 calls, is an all-reduce inside gloo and sends twice ours (ring all-reduce).
     """
-    model = GPT(cfg)
-
-    def shard_numel(ps: object) -> int:
-        # Each parameter is sharded on dim 0 and padded to ceil(dim0 / ws) rows (FSDP2's rule).
-        return sum(-(-p.shape[0] // ws) * (p[0].numel() if p.dim() > 1 else 1) for p in ps)
-
-    root_params = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
-    blocks = [list(b.parameters()) for b in model.blocks]
-    groups = [shard_numel(root_params)] + [shard_numel(b) for b in blocks]
-    full = [4 * sum(p.numel() for p in ps) for ps in [root_params, *blocks]]  # forward order
-    cut = plan_buckets([str(i) for i in range(len(full))], full, [True] * len(full), bucket_bytes)
-    kept = {int(n) for n in cut[-1].groups} if cut[-1].unsharded_bytes <= bucket_bytes else set()
-    ag = sum(g * (ws - 1) for g in groups)  # forward all-gathers
-    rs = sum(g * (ws - 1) for g in groups)
-    regather = [g * (ws - 1) for g in groups[1:]]  # backward re-gathers (not the root)
-    ours_ag = ag + sum(g for i, g in enumerate(regather, 1) if i not in kept) if raf else ag
-    fsdp2_ag = ag + sum(regather) if raf else ag
-    return 4 * (ours_ag + rs), 4 * (fsdp2_ag + 2 * rs)
+    shard, _ = _shards(cfg, ws)
+    ours = (ws - 1) * sum(_messages(cfg, ws, raf, bucket_bytes))
+    fsdp2 = (ws - 1) * (sum(shard) + (sum(shard[1:]) if raf else 0) + 2 * sum(shard))
+    return 4 * ours, 4 * fsdp2
 
 
 def _worker(
@@ -203,6 +222,7 @@ def _worker(
 
         keep_neighbour_copies(model, opt)  # the neighbour's state after every step
     loss_fn = model if variant == "ddp" else model.loss  # type: ignore[union-attr]
+    wire = _Wire(cfg, ws, device) if variant == "wire" else None
     times, losses = [], []
     waits0 = _wait_stats()
     faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -222,8 +242,11 @@ def _worker(
             if k > 1:
                 _set_sync(model, variant, last)
             with contextlib.nullcontext() if last or variant != "ddp" else model.no_sync():  # type: ignore[operator]
+                sent = wire.post() if wire is not None and last else []
                 loss = loss_fn(x[m::k], y[m::k]) / k
                 loss.backward()
+                for w in sent:
+                    w.wait()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
@@ -251,6 +274,28 @@ def _worker(
     out.put(res)  # type: ignore[attr-defined]
     if ws > 1:
         dist.destroy_process_group()
+
+
+class _Wire:
+    """The ``wire`` variant's traffic: ours' messages of a step (:func:`_messages`, the same
+    elements to and from every peer, point to point as ours sends them on gloo), all posted
+    when the step begins and waited for after the backward, around the plain model's step.
+    Nothing waits on a message earlier, so this is the least any FSDP that moves these bytes
+    over gloo can add to the step: the price of the bytes alone, with perfect overlap."""
+
+    def __init__(self, cfg: GPTConfig, ws: int, device: torch.device) -> None:
+        self.rank, self.ws = dist.get_rank(), ws
+        self.sizes = _messages(cfg, ws, raf=True)
+        self.out = torch.randn(max(self.sizes), device=device)
+        self.into = [torch.empty(n, device=device) for n in self.sizes for _ in range(ws - 1)]
+
+    def post(self) -> list:
+        works, recv = [], iter(self.into)
+        for tag, n in enumerate(self.sizes):
+            for peer in (p for p in range(self.ws) if p != self.rank):
+                works.append(dist.isend(self.out[:n], peer, tag=tag))
+                works.append(dist.irecv(next(recv), peer, tag=tag))
+        return works
 
 
 def _wait_stats() -> tuple[float, float]:
@@ -382,6 +427,17 @@ def main() -> None:
     if "ours" in every and "fsdp2" in every:
         per = [o / f for o, f in zip(every["ours"], every["fsdp2"])]
         print("ours / fsdp2 per round: " + " ".join(f"{x:.3f}" for x in per))
+    if "floor" in rows and "ddp" in rows:
+        # The issue's yardstick: what each variant adds to the floor, against what DDP adds.
+        floor, ddp = rows["floor"]["step_ms"], rows["ddp"]["step_ms"] - rows["floor"]["step_ms"]
+        print(
+            "time above the floor (x DDP's): "
+            + "; ".join(
+                f"{_label(v)} {r['step_ms'] - floor:.1f} ms ({(r['step_ms'] - floor) / ddp:.2f})"
+                for v, r in rows.items()
+                if v != "floor"
+            )
+        )
     blocked = {v: r["waits"] for v, r in rows.items() if r["waits"][0] > 0}
     if blocked:
         # Where ours' step goes on gloo: a wait blocks until the peer's bytes are in
