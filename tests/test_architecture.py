@@ -335,9 +335,15 @@ def test_every_test_module_that_spawns_ranks_is_marked_multiprocess() -> None:
 
 # ------------------------------------------------------------------ who writes a group's state
 
-# A parameter group and its parameters own their state: only these two modules assign their
-# fields (the hooks, the functional path, the setters, summon and deepcopy call methods).
-GROUP_OWNERS = ("shell/engine/group.py", "shell/engine/param.py")
+# A parameter group and its parameters own their state: only their modules assign their
+# fields (the group's three rooms: the group, its gradients, its lending; the hooks, the
+# functional path, the setters, summon and deepcopy call methods).
+GROUP_OWNERS = (
+    "shell/engine/group.py",
+    "shell/engine/gradients.py",
+    "shell/engine/lending.py",
+    "shell/engine/param.py",
+)
 GROUP_TYPES = {"ParamGroup", "ShardedParam"}
 # Names that hold a group or a parameter object by convention, besides those inferred below.
 GROUP_NAMES = {"g", "group", "grp", "gr", "tg", "pg", "sp"}
@@ -478,9 +484,9 @@ def group_writes(source: str) -> list[str]:
 
 
 def test_only_the_group_and_its_parameters_write_their_state() -> None:
-    """Nobody outside ``engine/group.py`` and ``engine/param.py`` assigns a field of a
-    ``ParamGroup`` or a ``ShardedParam``: the hooks, the functional path, the ``FSDPModule``
-    setters (which replace the frozen ``GroupConfig`` through ``ParamGroup.configure``),
+    """Nobody outside the group's modules (``engine/group.py``, ``gradients.py``,
+    ``lending.py``) and ``engine/param.py`` assigns a field of a ``ParamGroup`` or a
+    ``ShardedParam``: the hooks, the functional path, the ``FSDPModule`` setters (which replace the frozen ``GroupConfig`` through ``ParamGroup.configure``),
     summon and deepcopy call the group's methods."""
     bad, known = {}, {}
     for path in sorted(ROOT.rglob("*.py")):

@@ -19,7 +19,8 @@ from ...core.records import MixedPrecisionPolicy
 from ..comm.scoped import introduce, resync
 from ..device.runtime import DeviceRuntime
 from ..engine.coalesced import start_together
-from ..engine.group import ParamGroup, ReduceChain
+from ..engine.gradients import ReduceChain
+from ..engine.group import ParamGroup
 from ..engine.group_common import profiled, traced
 from ..engine.tied import LentCall, TiedUse
 from . import buckets, functional_call

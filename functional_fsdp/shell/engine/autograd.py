@@ -18,7 +18,7 @@ Hessian-vector product of the data-parallel mean loss.
 
 This module imports no engine module: each Function names what it calls back into as a
 ``Protocol`` (:class:`Unsharding`, :class:`GradReduction`, :class:`SourceGather`), which the
-group (``group.ParamGroup``, ``group.OwnReduction``) and the functional path
+group (``group.ParamGroup``, ``gradients.OwnReduction``) and the functional path
 (``functional_path.GatherCall``) implement. The group's phases create the Functions.
 """
 
@@ -67,7 +67,7 @@ class Unsharding(Protocol):
 class GradReduction(Protocol):
     """A reduction whose sharded gradients autograd receives (:class:`ReduceFn`'s ``call``):
     a functional call's (``functional_path.GatherCall``) or the group's own
-    (``group.OwnReduction``)."""
+    (``gradients.OwnReduction``)."""
 
     create_graph: bool
 

@@ -32,19 +32,19 @@ from . import ordering
 from .gather import GatherSlot, start_coalesced
 from .group_common import profiled
 
-__all__ = ["Chain", "Member", "ReduceBucket", "bucket_comm", "start_together"]
+__all__ = ["Chain", "Member", "ReduceBucket", "Reducer", "bucket_comm", "start_together"]
 
 
 class Chain(Protocol):
-    """The root's one reduction in flight (:class:`~.group.ReduceChain` is one)."""
+    """The root's one reduction in flight (:class:`~.gradients.ReduceChain` is one)."""
 
     def hand_over(self, *groups: Any) -> None: ...
 
     def settle(self, *groups: Any) -> None: ...
 
 
-class Member(Protocol):
-    """What a bucket needs of a group (:class:`~.group.ParamGroup` is one)."""
+class Reducer(Protocol):
+    """What a reduce bucket needs of a group (:class:`~.gradients.GroupGradients` is one)."""
 
     name: str
     comm: Communicator
@@ -55,6 +55,14 @@ class Member(Protocol):
     @property
     def reduce_chain(self) -> Chain: ...
 
+    def take_reduce(self, pending: T.PendingReduce) -> None: ...
+
+    def alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> Any: ...
+
+
+class Member(Reducer, Protocol):
+    """What a bucket needs of a group, gathering too (:class:`~.group.ParamGroup` is one)."""
+
     @property
     def is_unsharded(self) -> bool: ...
 
@@ -64,10 +72,6 @@ class Member(Protocol):
     def coalesce_gather(self) -> tuple[GatherSlot, ShardedState, int] | None: ...
 
     def start_unshard(self, version: int | None = None) -> None: ...
-
-    def take_reduce(self, pending: T.PendingReduce) -> None: ...
-
-    def alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> Any: ...
 
 
 def start_together(groups: Sequence[Member]) -> None:
@@ -99,7 +103,7 @@ def start_together(groups: Sequence[Member]) -> None:
         g.start_unshard()
 
 
-def bucket_comm(members: Sequence[Member]) -> Communicator:
+def bucket_comm(members: Sequence[Reducer]) -> Communicator:
     """The communicator a bucket of ``members`` runs on: the first member's process group with
     tags and a name of its own
     (:meth:`~functional_fsdp.shell.comm.scoped.ScopedComm.for_bucket`); a bucket of one is
@@ -120,13 +124,13 @@ class ReduceBucket:
 
     __slots__ = ("_columns", "_inputs", "_send", "members")
 
-    def __init__(self, members: Sequence[Member]) -> None:
+    def __init__(self, members: Sequence[Reducer]) -> None:
         self.members = tuple(members)
         self._inputs: dict[int, T.ReduceInput] = {}
         self._send: torch.Tensor | None = None  # this backward's (ws, total) send buffer
         self._columns: dict[int, tuple[int, int]] = {}  # id(member) -> (offset, width)
 
-    def columns(self, group: Member) -> torch.Tensor | None:
+    def columns(self, group: Reducer) -> torch.Tensor | None:
         """``group``'s columns of the bucket's send buffer (allocated by the first member to
         pack, this backward), for it to pack its gradients into: the reduce-scatter then sends
         the buffer without concatenating the members' packed gradients. ``None`` (pack alone)
@@ -154,7 +158,7 @@ class ReduceBucket:
         off, width = self._columns[id(group)]
         return self._send.narrow(1, off, width)
 
-    def add(self, group: Member, rin: T.ReduceInput) -> None:
+    def add(self, group: Reducer, rin: T.ReduceInput) -> None:
         """``group``'s packed gradients of this backward; issue when every member's is in."""
         self._inputs[id(group)] = rin
         if len(self._inputs) == len(self.members):

@@ -10,8 +10,13 @@ The group owns its state: each parameter's facts live in its :class:`~.param.Sha
 settings in a frozen :class:`~.config.GroupConfig`, and the phases of an iteration are methods
 (:meth:`ParamGroup.pre_forward`, :meth:`~ParamGroup.post_forward`,
 :meth:`~ParamGroup.pre_backward`, :meth:`~ParamGroup.post_backward`,
-:meth:`~ParamGroup.finish_backward`) that the module hooks (``shell/api/state.py``) call. Nothing
-outside this module and :mod:`.param` assigns a group's fields (``tests/test_architecture.py``).
+:meth:`~ParamGroup.finish_backward`) that the module hooks (``shell/api/state.py``) call.
+
+A group is one object in three rooms: this module (parameters, settings, the unsharded copy,
+the phases), :mod:`.gradients` (reduction into ``.grad``, its base
+:class:`~.gradients.GroupGradients`) and :mod:`.lending` (weights tied across groups, its base
+:class:`~.lending.GroupLending`). Nothing outside them and :mod:`.param` assigns a group's
+fields (``tests/test_architecture.py``).
 """
 
 from __future__ import annotations
@@ -21,15 +26,13 @@ from typing import Any
 
 import attrs
 import torch
-from torch.autograd.graph import Node
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from ...core import transitions as T
-from ...core.comm import Communicator, uses_pieces
-from ...core.compression import GradCompression
+from ...core.comm import Communicator
 from ...core.errors import ReproducibilityError
 from ...core.records import (
     CPUOffloadPolicy,
@@ -39,24 +42,24 @@ from ...core.records import (
     PostForwardState,
     ShardedState,
 )
-from ...core.reproducible import PendingTreeReduce
-from ..comm.custom import CustomCollectiveComm, base_comm, unwrap, with_all_reduce_hook
+from ..comm.custom import CustomCollectiveComm, base_comm, unwrap
 from ..comm.process_group import ProcessGroupComm
 from ..comm.scoped import ScopedComm
 from ..device import runtime_for
 from ..device.runtime import DeviceRuntime
 from ..parallel.tensor_parallel import TensorParallelPlan
 from . import ordering
-from .autograd import UnshardFn, UseFn, reduce_differentiably
-from .coalesced import ReduceBucket, start_together
+from .autograd import UnshardFn, reduce_differentiably
+from .coalesced import start_together
 from .config import GroupConfig
 from .gather import GatherSlot
+from .gradients import GroupGradients, OwnReduction
 from .group_common import TrainingState, _contiguous_stride, layout_for, traced
+from .lending import GroupLending
 from .memory import huge_page_advisor
 from .param import Holders, ShardedParam
-from .reproducible import TreeAccumulator, install_step_check
 
-__all__ = ["OwnReduction", "ParamGroup", "ReduceChain", "TrainingState", "layout_for"]
+__all__ = ["ParamGroup", "TrainingState", "layout_for"]
 
 # Settings a deep copy carries over (FSDPModule setters; the others start at their defaults).
 _COPIED_SETTINGS = (
@@ -70,7 +73,7 @@ _COPIED_SETTINGS = (
 )
 
 
-class ParamGroup:
+class ParamGroup(GroupGradients, GroupLending):
     """Runtime of one ``fully_shard`` group.
 
     Args:
@@ -127,12 +130,6 @@ class ParamGroup:
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.name = name
         self.config = GroupConfig() if config is None else config
-        # ReproduciblePolicy: this step's micro-batch gradients, summed in the canonical tree.
-        self.tree: TreeAccumulator | None = None
-        if self.config.reproducible is not None:
-            dp = comm.world_size * (1 if replicate_comm is None else replicate_comm.world_size)
-            self.tree = TreeAccumulator(self.config.reproducible, dp, name)
-            install_step_check()
         for c in (comm, replicate_comm, sub_comm):
             if isinstance(c, ScopedComm):
                 c.name = name  # collective errors name the group (schedule.py)
@@ -153,27 +150,17 @@ class ParamGroup:
         self.slot = GatherSlot(layout, device, self._advise, runtime=self.runtime)
         self._post_forward_state: PostForwardState | None = None
         self._post_forward_version = -1
-        self.pending_reduce: T.PendingReduce | PendingTreeReduce | None = None
-        self.reduce_chain = ReduceChain()  # the root shares one among its groups (lazy init)
-        self.reduce_bucket: ReduceBucket | None = None  # the root's schedule's, if any
-        self.accumulated: list[torch.Tensor | None] | None = None
+        self._init_gradients()
         self.training_state = TrainingState.IDLE
         self.ran_post_backward = False
         self.ran_forward = False  # this iteration's forward finished (a bucket skips it)
-        # The AccumulateGrad node of a trained parameter (to tell autograd.grad from backward),
-        # and whether a create_graph backward needs the full parameters for a double backward.
-        self._grad_accumulator: Node | None = None
         self._abandoned: list[Any] = []  # in-flight work a failed step left (kept referenced)
+        # Whether a create_graph backward needs the full parameters for a double backward.
         self.keep_for_double_backward = False
         # fully_shard([m1, m2]): the modules sharing this group, and how many finished forward.
         self.forward_users = forward_users
         self.forward_done = 0
-        # Weights tied across groups (.tied): lent to other groups' modules, their uses open
-        # now, this iteration's outputs (made once, taken by every use: one reduction per
-        # step), and this group's own use (its modules' UseFn views; open until its backward).
-        self.lends, self.lent_open, self._outputs_fresh = False, 0, False
-        self._own_views: tuple[torch.Tensor, ...] | None = None
-        self._own_open = False
+        self._init_lending()  # weights tied across groups (.tied)
 
     # ------------------------------------------------------------------ parameters
 
@@ -246,22 +233,6 @@ class ParamGroup:
             )
         self.config = new
 
-    def set_grad_compression(self, compression: GradCompression | None) -> None:
-        """Compress this group's reduce-scatter from now on (``None``: exact; drops the
-        residual). The reduction in flight finishes with the policy it started with."""
-        self.finish_reduce()
-        self.configure(grad_compression=compression)
-        if compression is None or not compression.error_feedback:
-            self.reset_residual()
-
-    def reset_residual(self) -> None:
-        """Start compressed reduction from a zero residual (after parameters are loaded:
-        docs/compression.md). A reduction in flight finishes first, so it cannot hand a
-        residual from before back afterwards."""
-        self.finish_reduce()
-        if self.state.residual is not None:
-            self.state = attrs.evolve(self.state, residual=None)
-
     def use_custom_collectives(self, **kw: Any) -> None:
         """Run the all-gather and/or reduce-scatter through FSDP2 ``AllGather`` /
         ``ReduceScatter`` objects (``all_gather=`` / ``reduce_scatter=``; ``None`` restores the
@@ -286,10 +257,6 @@ class ParamGroup:
         self.layout = layout
         self.state = attrs.evolve(self.state, layout=layout)
         self.slot = slot
-
-    def join_reduce_chain(self, chain: ReduceChain) -> None:
-        """Share the root's one reduction in flight (its lazy init)."""
-        self.reduce_chain = chain
 
     def use_runtime(self, runtime: DeviceRuntime) -> None:
         """Run on ``runtime`` from now on: the root's (its lazy init: one set of streams and
@@ -563,16 +530,6 @@ class ParamGroup:
             outputs = self._own_use(outputs)
         self.register_full(outputs)
 
-    def _own_use(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """A lending group's own modules' views of its outputs: their :class:`UseFn` backward
-        ends this group's own use, so the buffer can be freed before another group's use of a
-        tied weight reaches the unshard's backward (all parameters trained: a frozen one gets
-        no gradient to wait for, and the buffer then stays until :meth:`post_backward`)."""
-        if not (torch.is_grad_enabled() and all(self._requires_grad)):
-            return outputs
-        self._own_views = tuple(UseFn.apply(self.own_backward_done, *outputs))
-        return self._own_views
-
     def _unsharded_outputs(self) -> tuple[torch.Tensor, ...]:
         """Autograd-tracked full tensors for this forward (their backward reduces the
         gradients); plain views of the buffer when nothing needs a gradient."""
@@ -667,36 +624,7 @@ class ParamGroup:
             if not self.lent_open:
                 self.free()
             self.register_sharded()
-        if self.tree is not None:
-            # The canonical tree: accumulate whatever the sync flag says; reduce once per step.
-            if self.tree.push(grads, self.layout):
-                self.finish_reduce()
-                self.reduce_chain.hand_over(self)
-                self.pending_reduce = self.tree.begin(
-                    self.state, self.comm, self.replicate_comm, runtime=self.runtime
-                )
-        elif not self.config.requires_gradient_sync:
-            rdtype = self.layout.grad_reduce_dtype()
-            acc = self.accumulated or [None] * len(grads)
-            self.accumulated = [
-                (a if g is None else (g.to(rdtype, copy=True) if a is None else a.add_(g)))
-                for a, g in zip(acc, grads)
-            ]
-        else:
-            if self.accumulated is not None:
-                grads = [
-                    (a if g is None else (g if a is None else a.add_(g)))
-                    for a, g in zip(self.accumulated, grads)
-                ]
-                self.accumulated = None
-            if any(g is not None for g in grads):
-                self.finish_reduce()
-                bucket = self.reduce_bucket
-                if bucket is not None and self.coalesces_reduce():
-                    bucket.add(self, self.reduce_copy_in(grads, bucket.columns(self)))
-                else:
-                    self.reduce_chain.hand_over(self)
-                    self.pending_reduce = self.begin_reduce(grads, self.state)
+        self.reduce_gradients(grads)
 
     def finish_backward(self, is_last_backward: bool) -> None:
         """The root's final callback: finish the reduction (the last backward of an
@@ -751,106 +679,6 @@ class ParamGroup:
         self.register_lent_sharded()
         self.training_state = TrainingState.IDLE
 
-    # ------------------------------------------------------------------ lent (tied weights)
-
-    def lend(self, index: int, holders: Holders) -> None:
-        """Let ``holders`` (modules of another group) use parameter ``index`` (a weight tied
-        across groups, ``fully_shard``): this group stays its only owner (one shard, one
-        gather, one reduction); their :class:`~.tied.TiedUse` registers it during their
-        forward."""
-        self.sharded_params[index].lend(holders)
-        self.lends = True
-
-    def register_lent_sharded(self) -> None:
-        """Put the sharded parameters on the other groups' modules that use them."""
-        for sp in self.sharded_params:
-            sp.register_lent(sp.sharded)
-
-    def register_lent_full(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Put full tensors (``summon_full_params``') on the other groups' modules too."""
-        for sp, t in zip(self.sharded_params, tensors):
-            sp.register_lent(t)
-
-    def lent_full(self, index: int) -> torch.Tensor:
-        """Another group's module starts its forward with parameter ``index``: the unsharded
-        buffer is live until :meth:`lent_done`, and the parameter's full tensor of this
-        iteration is returned (made now, with this group's other outputs, when this group's
-        own forward has not run yet in the iteration)."""
-        self.wait_unshard()
-        if not self._outputs_fresh or self._outputs() is None:
-            self._set_outputs(self._unsharded_outputs())
-            self._outputs_fresh = True
-        self.lent_open += 1
-        full = self.sharded_params[index].full
-        assert full is not None
-        return full
-
-    def lent_live(self) -> None:
-        """Another group's module starts its backward (or recomputes its forward) with one of
-        this group's parameters: the buffer is live until :meth:`lent_done`."""
-        self.wait_unshard()
-        self.lent_open += 1
-
-    def lent_done(self, *, after_backward: bool) -> None:
-        """Another group's use ended (its forward, or its backward reached the parameter):
-        once no use is open and this group's own forward or backward is not running, reshard
-        as this group would after its own forward (or backward)."""
-        self.lent_open = max(0, self.lent_open - 1)
-        busy = self.training_state is TrainingState.FORWARD or (
-            self.training_state is TrainingState.PRE_BACKWARD and self._own_open
-        )
-        if self.lent_open or busy:
-            return
-        if not after_backward:
-            self._reshard_after_forward(self.config.reshard_after_forward)
-        else:
-            self._free_after_use()
-
-    def own_backward_done(self) -> None:
-        """The backward of this lending group's own modules is over (:meth:`_own_use`)."""
-        self._own_open = False
-        if not self.lent_open:
-            self._free_after_use()
-
-    def _free_after_use(self) -> None:
-        """Free the buffer after a use's backward, as after this group's own (not under a
-        ``create_graph=True`` backward, whose double backward reads it)."""
-        if self.config.reshard_after_backward and not torch.is_grad_enabled():
-            self.free()
-
-    # ------------------------------------------------------------------ gradients
-
-    @traced("post_backward_reduce")
-    def begin_reduce(
-        self,
-        grads: Sequence[torch.Tensor | None],
-        sharded: ShardedState,
-        *,
-        async_op: bool = True,
-        all_reduce: bool | None = None,
-    ) -> T.PendingReduce:
-        """Issue the reduce-scatter of ``grads`` into ``sharded`` with this group's settings
-        (the copy-in on compute, the collective on the reduce-scatter stream: :mod:`.ordering`)."""
-        cfg = self.config
-        settings = self._reduce_settings()
-        if all_reduce is not None:
-            settings["all_reduce"] = all_reduce
-        pending = ordering.issue_reduce(
-            self.runtime,
-            grads,
-            sharded,
-            self.comm,
-            async_op=async_op,
-            alloc=self.alloc_advised,
-            compression=cfg.grad_compression,
-            **settings,
-        )
-        if cfg.all_reduce_hook is None:
-            return pending
-        return with_all_reduce_hook(
-            pending, cfg.all_reduce_hook, bases=self.base_comms(), name=self.name
-        )
-
     # ------------------------------------------------------------------ coalescing
 
     def coalesce_gather(self) -> tuple[GatherSlot, ShardedState, int] | None:
@@ -870,151 +698,6 @@ class ParamGroup:
         if not self.slot.ready_to_coalesce():
             return None
         return self.slot, self.state, now
-
-    def coalesces_reduce(self) -> bool:
-        """Whether this group's reduction may travel in a bucket now: the packed path of a
-        plain reduce-scatter (no compression, custom reduce-scatter, all-reduce hook,
-        reproducible tree, gradient-sync-off accumulation or pieces path)."""
-        cfg = self.config
-        return (
-            self.tree is None
-            and cfg.grad_compression is None
-            and cfg.all_reduce_hook is None
-            and cfg.requires_gradient_sync
-            and self.comm.world_size > 1
-            and not isinstance(self.comm, CustomCollectiveComm)
-            and not uses_pieces(self.comm, self.layout.unsharded_bytes)
-        )
-
-    def reduce_copy_in(
-        self, grads: Sequence[torch.Tensor | None], out: torch.Tensor | None = None
-    ) -> T.ReduceInput:
-        """This group's reduction copy-in (packed, pre-divided, on compute), for a bucket;
-        ``out``: its columns of the bucket's send buffer."""
-        return ordering.reduce_copy_in(
-            self.runtime, grads, self.state, self.comm, out=out, **self._reduce_settings()
-        )
-
-    def _reduce_settings(self) -> dict[str, Any]:
-        """The core's reduction keywords from this group's settings (every reduction's)."""
-        cfg = self.config
-        return {
-            "replicate_comm": self.replicate_comm,
-            "divide_factor": cfg.divide_factor,
-            "force_sum": cfg.force_sum,
-            "all_reduce": cfg.requires_all_reduce,
-            "reduce_unused": cfg.reduce_unused,
-        }
-
-    def join_reduce_bucket(self, bucket: ReduceBucket | None) -> None:
-        """Reduce in ``bucket`` (a :class:`~.coalesced.ReduceBucket`) from now on, when
-        :meth:`coalesces_reduce`; ``None``: alone."""
-        self.reduce_bucket = bucket
-
-    def take_reduce(self, pending: T.PendingReduce) -> None:
-        """This group's part of a bucket's reduce-scatter, now in flight."""
-        self.pending_reduce = pending
-
-    # ------------------------------------------------------------------ gradients: the module
-    # path's own reduction and landing the reduced shards
-
-    def trained(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """``grads`` with ``None`` for the frozen parameters."""
-        return [g if rg else None for g, rg in zip(grads, self._requires_grad)]
-
-    def reduce_now(
-        self, grads: Sequence[torch.Tensor | None], sharded: ShardedState, *, keep_residual: bool
-    ) -> list[torch.Tensor | None]:
-        """Reduce-scatter ``grads`` into ``sharded`` and wait: this rank's reduced shards
-        (``None`` where no gradient). ``keep_residual``: the shards are the group's own, so
-        the compression residual the reduction returns becomes the group's."""
-        if self.tree is not None:  # torch.autograd.grad on the module path, one micro-batch
-            new = self.tree.reduce_one(
-                grads, sharded, self.comm, self.replicate_comm, runtime=self.runtime
-            )
-            return [new.local_grad(i) for i in range(len(self.layout))]
-        pending = self.begin_reduce(grads, sharded, async_op=False, all_reduce=True)
-        new = ordering.finish_reduce(self.runtime, pending)
-        if keep_residual:
-            self.state = attrs.evolve(self.state, residual=new.residual)
-        return [new.local_grad(i) for i in range(len(self.layout))]
-
-    def sharded_grads(self, locals_: Sequence[torch.Tensor | None]) -> tuple[DTensor | None, ...]:
-        """Reduced local shards as sharded ``DTensor`` gradients (``None`` kept)."""
-        return tuple(
-            None if loc is None else sp.dtensor(loc)
-            for sp, loc in zip(self.sharded_params, locals_)
-        )
-
-    def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:
-        """All-gather sharded cotangents of reduced gradients into full tensors (the adjoint
-        of the reduction, for a double backward)."""
-        locals_ = [c._local_tensor if isinstance(c, DTensor) else c for c in cotangents]
-        state = T.pack_locals(locals_, self.layout, self.state.rank, device=self.device)
-        return T.unshard(state, self.comm).params
-
-    def gradients_captured(self) -> bool:
-        """Whether the running backward is ``torch.autograd.grad`` (which returns gradients to
-        the caller) rather than ``.backward()`` (which accumulates them into ``.grad``)."""
-        if self._grad_accumulator is None:
-            self._grad_accumulator = self._find_grad_accumulator()
-            if self._grad_accumulator is None:
-                return False
-        try:
-            torch._C._will_engine_execute_node(self._grad_accumulator)
-        except RuntimeError:  # raised for a leaf's node exactly while autograd.grad() runs
-            return True
-        return False
-
-    def _find_grad_accumulator(self) -> Node | None:
-        """The ``AccumulateGrad`` node of a trained parameter, found through a view of it.
-
-        ``DTensor`` refuses the view of an empty global shape (a ``(0, n)`` parameter): the
-        largest parameters are tried first, so an empty one beside others never decides.
-        """
-        trains = sorted(
-            (p for p in self._params if p.requires_grad), key=lambda p: p.numel(), reverse=True
-        )
-        for p in trains:
-            with torch.enable_grad():  # backward runs without grad mode: record the view
-                try:
-                    view: Any = p.view_as(p)
-                except RuntimeError:
-                    continue
-            return view.grad_fn.next_functions[0][0]
-        return None
-
-    def alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A new buffer from the runtime (reduction outputs, a bucket's send buffer), with the
-        kernel advised about fresh memory."""
-        t = self.runtime.empty(numel, dtype, device)
-        self._advise(t)
-        return t
-
-    @traced("post_backward_rs_wait")
-    def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``.
-
-        ``.grad`` is the one place the module path keeps gradients (the cell's record holds
-        none): the core adds the reduced shards to it, in place (donated), on the post-reduce
-        stream; compute waits for it (:func:`.ordering.finish_reduce`).
-        """
-        pending, self.pending_reduce = self.pending_reduce, None
-        if pending is None:
-            return
-        new = ordering.finish_reduce(self.runtime, pending, self._land_grads)
-        self.state = attrs.evolve(self.state, partial=new.partial, residual=new.residual)
-
-    def _land_grads(self, new: ShardedState) -> list[torch.Tensor]:
-        """Add the reduced shards of ``new`` to each parameter's ``.grad``; the ``.grad``
-        tensors written in place."""
-        if new.grads is None:
-            return []
-        current = [sp.grad_local() for sp in self.sharded_params]
-        grads = T.accumulate_local_grads(new, current, donate=True)
-        for sp, g, prev in zip(self.sharded_params, grads, current):
-            sp.land_grad(g, prev)
-        return [c for c in current if c is not None]
 
     # ------------------------------------------------------------------ copies
 
@@ -1060,73 +743,3 @@ def _copy_record(state: ShardedState) -> ShardedState:
         grads = tuple(g.clone() if g is not None else None for g in state.grads)
     partial = state.partial.clone() if state.partial is not None else None
     return attrs.evolve(state, flat=state.flat.clone(), grads=grads, partial=partial)
-
-
-class ReduceChain:
-    """The one gradient reduction in flight among a root's groups, as FSDP2 keeps one
-    reduce-scatter input buffer (``reduce_scatter_max_input_buffers=1``): a group starting its
-    reduction first finishes the previous group's, so at most one group's full-size reduce
-    buffers are alive at a time (33 groups otherwise pile them up until the end of backward).
-
-    Attributes:
-        group: the group whose reduction is in flight (or last was), else ``None``.
-    """
-
-    __slots__ = ("groups",)
-
-    def __init__(self) -> None:
-        self.groups: tuple[ParamGroup, ...] = ()
-
-    @property
-    def group(self) -> ParamGroup | None:
-        """The (last) group whose reduction is in flight, else ``None``."""
-        return self.groups[-1] if self.groups else None
-
-    def hand_over(self, *groups: ParamGroup) -> None:
-        """Finish the reduction in flight of other groups; ``groups`` (one, or a bucket's
-        members reducing in one collective) issue the next one."""
-        prev, self.groups = self.groups, groups
-        for g in prev:
-            if g not in groups:
-                g.finish_reduce()
-
-    def settle(self, *groups: ParamGroup) -> None:
-        """Finish the reduction in flight of groups other than ``groups`` now: a bucket whose
-        first member is about to pack its gradients into a new send buffer (otherwise the
-        previous bucket's send buffer stayed alive beside it for the whole bucket)."""
-        prev, self.groups = self.groups, tuple(g for g in self.groups if g in groups)
-        for g in prev:
-            if g not in groups:
-                g.finish_reduce()
-
-
-class OwnReduction:
-    """The module path's gradients returned to ``torch.autograd.grad``: the reduction of the
-    group's own shards, recorded through :class:`~.autograd.ReduceFn` (so a
-    ``create_graph=True`` backward can differentiate it); the group keeps managing its own
-    unsharded copy.
-
-    Attributes:
-        group: the group.
-        sharded: the group's record when the backward reached it (the reduction's layout).
-        create_graph: set by :func:`~.autograd.reduce_differentiably`.
-    """
-
-    __slots__ = ("create_graph", "group", "sharded")
-
-    def __init__(self, group: ParamGroup) -> None:
-        self.group = group
-        self.sharded = group.state
-        self.create_graph = False
-
-    def reduce(self, grads: Sequence[torch.Tensor | None]) -> tuple[DTensor | None, ...]:
-        """Reduce-scatter full gradients; the sharded gradients as ``DTensor`` s."""
-        g = self.group
-        grads = g.trained(grads)
-        if not any(gr is not None for gr in grads):
-            return (None,) * len(grads)
-        return g.sharded_grads(g.reduce_now(grads, self.sharded, keep_residual=True))
-
-    def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:
-        """The adjoint of :meth:`reduce` (an all-gather)."""
-        return self.group.gather_cotangents(cotangents)

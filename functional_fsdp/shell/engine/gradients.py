@@ -1,0 +1,397 @@
+"""A group's gradients: from autograd's full gradients to each parameter's sharded ``.grad``.
+
+The room of :class:`~.group.ParamGroup` that reduces (:class:`GroupGradients`, one of its
+bases): a backward hands a group its full gradients (:meth:`~GroupGradients.reduce_gradients`,
+from the group's ``post_backward``), which it accumulates (gradient sync off), pushes into the
+reproducible tree, or reduce-scatters (alone, or in its reduce bucket with its neighbours:
+:class:`~.coalesced.ReduceBucket`); the reduction stays in flight, overlapping the backward, until
+the next group's starts (:class:`ReduceChain`: one in flight per root, as FSDP2 keeps one
+reduce-scatter input) or the root's final callback, and then lands in ``.grad``
+(:meth:`~GroupGradients.finish_reduce`). ``torch.autograd.grad`` takes the other way: the
+reduced shards are returned to autograd, not accumulated (:class:`OwnReduction`).
+
+The fields here are the group's (its ``__init__`` calls :meth:`~GroupGradients._init_gradients`);
+only the group's modules write them (``tests/test_architecture.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch.autograd.graph import Node
+from torch.distributed.tensor import DTensor
+
+from ...core import transitions as T
+from ...core.comm import Communicator, uses_pieces
+from ...core.compression import GradCompression
+from ...core.records import GroupLayout, ShardedState
+from ...core.reproducible import PendingTreeReduce
+from ..comm.custom import CustomCollectiveComm, with_all_reduce_hook
+from ..comm.process_group import ProcessGroupComm
+from ..device.runtime import DeviceRuntime
+from . import ordering
+from .coalesced import ReduceBucket
+from .config import GroupConfig
+from .group_common import traced
+from .param import ShardedParam
+from .reproducible import TreeAccumulator, install_step_check
+
+__all__ = ["GroupGradients", "OwnReduction", "ReduceChain"]
+
+
+class GroupGradients:
+    """The gradient half of :class:`~.group.ParamGroup` (a base class: the group's own
+    fields, its gradient methods kept in one place).
+
+    Attributes:
+        tree: the reproducible reduction's accumulator (``ReproduciblePolicy``), else ``None``.
+        pending_reduce: the reduction in flight, else ``None``.
+        reduce_chain: the root's one reduction in flight, shared by its groups.
+        reduce_bucket: the bucket this group reduces in (the root's schedule), else ``None``.
+        accumulated: full gradients kept while gradient sync is off, else ``None``.
+    """
+
+    # The group's fields this room reads (ParamGroup.__init__ sets them).
+    name: str
+    layout: GroupLayout
+    state: ShardedState
+    comm: Communicator
+    replicate_comm: Communicator | None
+    runtime: DeviceRuntime
+    config: GroupConfig
+    device: torch.device
+    sharded_params: tuple[ShardedParam, ...]
+    _params: tuple[torch.nn.Parameter, ...]
+    _requires_grad: tuple[bool, ...]
+    _advise: Callable[[torch.Tensor], None]
+    # ... and the methods it calls
+    configure: Callable[..., None]
+    base_comms: Callable[[], list[ProcessGroupComm]]
+
+    def _init_gradients(self) -> None:
+        """No gradients yet (``ParamGroup.__init__``, once its settings and communicators are
+        set)."""
+        # ReproduciblePolicy: this step's micro-batch gradients, summed in the canonical tree.
+        self.tree: TreeAccumulator | None = None
+        if self.config.reproducible is not None:
+            rep = self.replicate_comm
+            dp = self.comm.world_size * (1 if rep is None else rep.world_size)
+            self.tree = TreeAccumulator(self.config.reproducible, dp, self.name)
+            install_step_check()
+        self.pending_reduce: T.PendingReduce | PendingTreeReduce | None = None
+        self.reduce_chain = ReduceChain()  # the root shares one among its groups (lazy init)
+        self.reduce_bucket: ReduceBucket | None = None  # the root's schedule's, if any
+        self.accumulated: list[torch.Tensor | None] | None = None
+        # The AccumulateGrad node of a trained parameter (to tell autograd.grad from backward).
+        self._grad_accumulator: Node | None = None
+
+    # ------------------------------------------------------------------ settings
+
+    def set_grad_compression(self, compression: GradCompression | None) -> None:
+        """Compress this group's reduce-scatter from now on (``None``: exact; drops the
+        residual). The reduction in flight finishes with the policy it started with."""
+        self.finish_reduce()
+        self.configure(grad_compression=compression)
+        if compression is None or not compression.error_feedback:
+            self.reset_residual()
+
+    def reset_residual(self) -> None:
+        """Start compressed reduction from a zero residual (after parameters are loaded:
+        docs/compression.md). A reduction in flight finishes first, so it cannot hand a
+        residual from before back afterwards."""
+        self.finish_reduce()
+        if self.state.residual is not None:
+            self.state = attrs.evolve(self.state, residual=None)
+
+    def join_reduce_chain(self, chain: ReduceChain) -> None:
+        """Share the root's one reduction in flight (its lazy init)."""
+        self.reduce_chain = chain
+
+    # ------------------------------------------------------------------ a backward's gradients
+
+    def reduce_gradients(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """This backward's full gradients (``None`` for the frozen ones): push them into the
+        reproducible tree, keep them (gradient sync off: accumulation), or start their
+        reduce-scatter (in the group's reduce bucket when it coalesces), after finishing the
+        reduction still in flight."""
+        if self.tree is not None:
+            # The canonical tree: accumulate whatever the sync flag says; reduce once per step.
+            if self.tree.push(grads, self.layout):
+                self.finish_reduce()
+                self.reduce_chain.hand_over(self)
+                self.pending_reduce = self.tree.begin(
+                    self.state, self.comm, self.replicate_comm, runtime=self.runtime
+                )
+        elif not self.config.requires_gradient_sync:
+            rdtype = self.layout.grad_reduce_dtype()
+            acc = self.accumulated or [None] * len(grads)
+            self.accumulated = [
+                (a if g is None else (g.to(rdtype, copy=True) if a is None else a.add_(g)))
+                for a, g in zip(acc, grads)
+            ]
+        else:
+            if self.accumulated is not None:
+                grads = [
+                    (a if g is None else (g if a is None else a.add_(g)))
+                    for a, g in zip(self.accumulated, grads)
+                ]
+                self.accumulated = None
+            if any(g is not None for g in grads):
+                self.finish_reduce()
+                bucket = self.reduce_bucket
+                if bucket is not None and self.coalesces_reduce():
+                    bucket.add(self, self.reduce_copy_in(grads, bucket.columns(self)))
+                else:
+                    self.reduce_chain.hand_over(self)
+                    self.pending_reduce = self.begin_reduce(grads, self.state)
+
+    @traced("post_backward_reduce")
+    def begin_reduce(
+        self,
+        grads: Sequence[torch.Tensor | None],
+        sharded: ShardedState,
+        *,
+        async_op: bool = True,
+        all_reduce: bool | None = None,
+    ) -> T.PendingReduce:
+        """Issue the reduce-scatter of ``grads`` into ``sharded`` with this group's settings
+        (the copy-in on compute, the collective on the reduce-scatter stream: :mod:`.ordering`)."""
+        cfg = self.config
+        settings = self._reduce_settings()
+        if all_reduce is not None:
+            settings["all_reduce"] = all_reduce
+        pending = ordering.issue_reduce(
+            self.runtime,
+            grads,
+            sharded,
+            self.comm,
+            async_op=async_op,
+            alloc=self.alloc_advised,
+            compression=cfg.grad_compression,
+            **settings,
+        )
+        if cfg.all_reduce_hook is None:
+            return pending
+        return with_all_reduce_hook(
+            pending, cfg.all_reduce_hook, bases=self.base_comms(), name=self.name
+        )
+
+    def coalesces_reduce(self) -> bool:
+        """Whether this group's reduction may travel in a bucket now: the packed path of a
+        plain reduce-scatter (no compression, custom reduce-scatter, all-reduce hook,
+        reproducible tree, gradient-sync-off accumulation or pieces path)."""
+        cfg = self.config
+        return (
+            self.tree is None
+            and cfg.grad_compression is None
+            and cfg.all_reduce_hook is None
+            and cfg.requires_gradient_sync
+            and self.comm.world_size > 1
+            and not isinstance(self.comm, CustomCollectiveComm)
+            and not uses_pieces(self.comm, self.layout.unsharded_bytes)
+        )
+
+    def reduce_copy_in(
+        self, grads: Sequence[torch.Tensor | None], out: torch.Tensor | None = None
+    ) -> T.ReduceInput:
+        """This group's reduction copy-in (packed, pre-divided, on compute), for a bucket;
+        ``out``: its columns of the bucket's send buffer."""
+        return ordering.reduce_copy_in(
+            self.runtime, grads, self.state, self.comm, out=out, **self._reduce_settings()
+        )
+
+    def _reduce_settings(self) -> dict[str, Any]:
+        """The core's reduction keywords from this group's settings (every reduction's)."""
+        cfg = self.config
+        return {
+            "replicate_comm": self.replicate_comm,
+            "divide_factor": cfg.divide_factor,
+            "force_sum": cfg.force_sum,
+            "all_reduce": cfg.requires_all_reduce,
+            "reduce_unused": cfg.reduce_unused,
+        }
+
+    def join_reduce_bucket(self, bucket: ReduceBucket | None) -> None:
+        """Reduce in ``bucket`` (a :class:`~.coalesced.ReduceBucket`) from now on, when
+        :meth:`coalesces_reduce`; ``None``: alone."""
+        self.reduce_bucket = bucket
+
+    def take_reduce(self, pending: T.PendingReduce) -> None:
+        """This group's part of a bucket's reduce-scatter, now in flight."""
+        self.pending_reduce = pending
+
+    # ------------------------------------------------------------------ torch.autograd.grad: the
+    # reduced shards returned to autograd (OwnReduction)
+
+    def trained(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """``grads`` with ``None`` for the frozen parameters."""
+        return [g if rg else None for g, rg in zip(grads, self._requires_grad)]
+
+    def reduce_now(
+        self, grads: Sequence[torch.Tensor | None], sharded: ShardedState, *, keep_residual: bool
+    ) -> list[torch.Tensor | None]:
+        """Reduce-scatter ``grads`` into ``sharded`` and wait: this rank's reduced shards
+        (``None`` where no gradient). ``keep_residual``: the shards are the group's own, so
+        the compression residual the reduction returns becomes the group's."""
+        if self.tree is not None:  # torch.autograd.grad on the module path, one micro-batch
+            new = self.tree.reduce_one(
+                grads, sharded, self.comm, self.replicate_comm, runtime=self.runtime
+            )
+            return [new.local_grad(i) for i in range(len(self.layout))]
+        pending = self.begin_reduce(grads, sharded, async_op=False, all_reduce=True)
+        new = ordering.finish_reduce(self.runtime, pending)
+        if keep_residual:
+            self.state = attrs.evolve(self.state, residual=new.residual)
+        return [new.local_grad(i) for i in range(len(self.layout))]
+
+    def sharded_grads(self, locals_: Sequence[torch.Tensor | None]) -> tuple[DTensor | None, ...]:
+        """Reduced local shards as sharded ``DTensor`` gradients (``None`` kept)."""
+        return tuple(
+            None if loc is None else sp.dtensor(loc)
+            for sp, loc in zip(self.sharded_params, locals_)
+        )
+
+    def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        """All-gather sharded cotangents of reduced gradients into full tensors (the adjoint
+        of the reduction, for a double backward)."""
+        locals_ = [c._local_tensor if isinstance(c, DTensor) else c for c in cotangents]
+        state = T.pack_locals(locals_, self.layout, self.state.rank, device=self.device)
+        return T.unshard(state, self.comm).params
+
+    def gradients_captured(self) -> bool:
+        """Whether the running backward is ``torch.autograd.grad`` (which returns gradients to
+        the caller) rather than ``.backward()`` (which accumulates them into ``.grad``)."""
+        if self._grad_accumulator is None:
+            self._grad_accumulator = self._find_grad_accumulator()
+            if self._grad_accumulator is None:
+                return False
+        try:
+            torch._C._will_engine_execute_node(self._grad_accumulator)
+        except RuntimeError:  # raised for a leaf's node exactly while autograd.grad() runs
+            return True
+        return False
+
+    def _find_grad_accumulator(self) -> Node | None:
+        """The ``AccumulateGrad`` node of a trained parameter, found through a view of it.
+
+        ``DTensor`` refuses the view of an empty global shape (a ``(0, n)`` parameter): the
+        largest parameters are tried first, so an empty one beside others never decides.
+        """
+        trains = sorted(
+            (p for p in self._params if p.requires_grad), key=lambda p: p.numel(), reverse=True
+        )
+        for p in trains:
+            with torch.enable_grad():  # backward runs without grad mode: record the view
+                try:
+                    view: Any = p.view_as(p)
+                except RuntimeError:
+                    continue
+            return view.grad_fn.next_functions[0][0]
+        return None
+
+    # ------------------------------------------------------------------ landing in .grad
+
+    def alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new buffer from the runtime (reduction outputs, a bucket's send buffer), with the
+        kernel advised about fresh memory."""
+        t = self.runtime.empty(numel, dtype, device)
+        self._advise(t)
+        return t
+
+    @traced("post_backward_rs_wait")
+    def finish_reduce(self) -> None:
+        """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``.
+
+        ``.grad`` is the one place the module path keeps gradients (the cell's record holds
+        none): the core adds the reduced shards to it, in place (donated), on the post-reduce
+        stream; compute waits for it (:func:`.ordering.finish_reduce`).
+        """
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is None:
+            return
+        new = ordering.finish_reduce(self.runtime, pending, self._land_grads)
+        self.state = attrs.evolve(self.state, partial=new.partial, residual=new.residual)
+
+    def _land_grads(self, new: ShardedState) -> list[torch.Tensor]:
+        """Add the reduced shards of ``new`` to each parameter's ``.grad``; the ``.grad``
+        tensors written in place."""
+        if new.grads is None:
+            return []
+        current = [sp.grad_local() for sp in self.sharded_params]
+        grads = T.accumulate_local_grads(new, current, donate=True)
+        for sp, g, prev in zip(self.sharded_params, grads, current):
+            sp.land_grad(g, prev)
+        return [c for c in current if c is not None]
+
+
+class ReduceChain:
+    """The one gradient reduction in flight among a root's groups, as FSDP2 keeps one
+    reduce-scatter input buffer (``reduce_scatter_max_input_buffers=1``): a group starting its
+    reduction first finishes the previous group's, so at most one group's full-size reduce
+    buffers are alive at a time (33 groups otherwise pile them up until the end of backward).
+
+    Attributes:
+        group: the group whose reduction is in flight (or last was), else ``None``.
+    """
+
+    __slots__ = ("groups",)
+
+    def __init__(self) -> None:
+        self.groups: tuple[GroupGradients, ...] = ()
+
+    @property
+    def group(self) -> GroupGradients | None:
+        """The (last) group whose reduction is in flight, else ``None``."""
+        return self.groups[-1] if self.groups else None
+
+    def hand_over(self, *groups: GroupGradients) -> None:
+        """Finish the reduction in flight of other groups; ``groups`` (one, or a bucket's
+        members reducing in one collective) issue the next one."""
+        prev, self.groups = self.groups, groups
+        for g in prev:
+            if g not in groups:
+                g.finish_reduce()
+
+    def settle(self, *groups: GroupGradients) -> None:
+        """Finish the reduction in flight of groups other than ``groups`` now: a bucket whose
+        first member is about to pack its gradients into a new send buffer (otherwise the
+        previous bucket's send buffer stayed alive beside it for the whole bucket)."""
+        prev, self.groups = self.groups, tuple(g for g in self.groups if g in groups)
+        for g in prev:
+            if g not in groups:
+                g.finish_reduce()
+
+
+class OwnReduction:
+    """The module path's gradients returned to ``torch.autograd.grad``: the reduction of the
+    group's own shards, recorded through :class:`~.autograd.ReduceFn` (so a
+    ``create_graph=True`` backward can differentiate it); the group keeps managing its own
+    unsharded copy.
+
+    Attributes:
+        group: the group.
+        sharded: the group's record when the backward reached it (the reduction's layout).
+        create_graph: set by :func:`~.autograd.reduce_differentiably`.
+    """
+
+    __slots__ = ("create_graph", "group", "sharded")
+
+    def __init__(self, group: GroupGradients) -> None:
+        self.group = group
+        self.sharded = group.state
+        self.create_graph = False
+
+    def reduce(self, grads: Sequence[torch.Tensor | None]) -> tuple[DTensor | None, ...]:
+        """Reduce-scatter full gradients; the sharded gradients as ``DTensor`` s."""
+        g = self.group
+        grads = g.trained(grads)
+        if not any(gr is not None for gr in grads):
+            return (None,) * len(grads)
+        return g.sharded_grads(g.reduce_now(grads, self.sharded, keep_residual=True))
+
+    def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:
+        """The adjoint of :meth:`reduce` (an all-gather)."""
+        return self.group.gather_cotangents(cotangents)
