@@ -126,7 +126,7 @@ class GroupLending:
         """A lending group's own modules' views of its outputs: their :class:`UseFn` backward
         ends this group's own use, so the buffer can be freed before another group's use of a
         tied weight reaches the unshard's backward (all parameters trained: a frozen one gets
-        no gradient to wait for, and the buffer then stays until :meth:`post_backward`)."""
+        no gradient to wait for, and the buffer then stays until ``post_backward``)."""
         if not (torch.is_grad_enabled() and all(self._requires_grad)):
             return outputs
         self._own_views = tuple(UseFn.apply(self.own_backward_done, *outputs))
