@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import queue
@@ -149,17 +150,19 @@ def _replicas_equal(model: torch.nn.Module) -> bool:
     return bool(torch.equal(hi, lo))
 
 
-def _shards(cfg: GPTConfig, ws: int) -> tuple[list[int], list[int]]:
+@functools.cache
+def _shards(cfg: GPTConfig, ws: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Each group's (shard elements, unsharded bytes), in forward order (the root first). A
-    parameter is sharded on dim 0 and padded to ``ceil(dim0 / ws)`` rows (FSDP2's rule)."""
+    parameter is sharded on dim 0 and padded to ``ceil(dim0 / ws)`` rows (FSDP2's rule).
+    Cached: the byte count and the message list both read it, and each builds the model."""
     model = GPT(cfg)
     root = [p for n, p in model.named_parameters() if not n.startswith("blocks.")]
     groups = [root] + [list(b.parameters()) for b in model.blocks]
-    shard = [
+    shard = tuple(
         sum(-(-p.shape[0] // ws) * (p[0].numel() if p.dim() > 1 else 1) for p in ps)
         for ps in groups
-    ]
-    return shard, [4 * sum(p.numel() for p in ps) for ps in groups]
+    )
+    return shard, tuple(4 * sum(p.numel() for p in ps) for ps in groups)
 
 
 def _messages(
