@@ -130,6 +130,11 @@ def _leftovers() -> list[str]:
 
 def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
     import datetime
+    import faulthandler
+
+    # A rank killed by a signal (SIGABRT from glibc's heap checks, SIGSEGV) prints every
+    # thread's Python stack to its stderr, which pytest shows with the failing case.
+    faulthandler.enable(all_threads=True)
 
     import torch
     import torch.distributed as dist
@@ -211,7 +216,7 @@ class World:
             failures = {r: tb for r, (ok, tb) in answers.items() if not ok}
             if failures:
                 text = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
-                raise RankError(f"{fn.__name__} failed:\n{text}")
+                raise RankError(f"{fn.__name__} failed:\n{text}{self._deaths()}")
             for q in self._inboxes:
                 q.put("check")
             left = sorted(
@@ -231,6 +236,16 @@ class World:
             self.close(force=True)
             raise
         return [answers[r][1] for r in range(self.world_size)]
+
+    def _deaths(self, grace_s: float = 2.0) -> str:
+        """The ranks that died (with their exit codes), after ``grace_s`` for a dying peer to
+        exit: a case that failed on one rank often failed because another one died (its
+        connection reset), and the dead rank sends no traceback."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and all(p.is_alive() for p in self._procs):
+            time.sleep(0.05)
+        dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+        return f"\nrank(s) exited (rank, exit code): {dead}" if dead else ""
 
     def _collect(self, timeout: float, what: str) -> dict[int, tuple[bool, Any]]:
         """One answer per rank (``(ok, value)``), or :class:`RankError` as soon as one rank
