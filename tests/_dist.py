@@ -244,8 +244,12 @@ class World:
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline and all(p.is_alive() for p in self._procs):
             time.sleep(0.05)
-        dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+        dead = self._dead()
         return f"\nrank(s) exited (rank, exit code): {dead}" if dead else ""
+
+    def _dead(self) -> list[tuple[int, int | None]]:
+        """``(rank, exit code)`` of each rank that is no longer alive."""
+        return [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
 
     def _collect(self, timeout: float, what: str) -> dict[int, tuple[bool, Any]]:
         """One answer per rank (``(ok, value)``), or :class:`RankError` as soon as one rank
@@ -256,7 +260,7 @@ class World:
             try:
                 rank, ok, value = self._outbox.get(timeout=0.5)
             except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+                dead = self._dead()
                 if dead:
                     raise RankError(f"{what}: rank(s) exited (rank, exit code): {dead}") from None
                 if time.monotonic() > deadline:
