@@ -49,6 +49,26 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+_MESHES: dict[tuple[Any, ...], Any] = {}
+
+
+def shared_mesh(shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> Any:
+    """A CPU ``DeviceMesh`` of ``shape`` (and dim ``names``), made once per rank process and
+    shared by the cases that run there later.
+
+    Each ``init_device_mesh`` of two or more dims makes new gloo process groups, and they live,
+    with their threads and sockets, until the process ends: after 40 cases of 2x2 meshes a rank
+    of a session's world had over 1000 threads and a case ran 10x slower. Destroying them when a
+    case ends is not an option: torch's ``DTensor`` caches key on a mesh's shape and names, so a
+    later case's equal mesh can be answered with the earlier one (and its destroyed groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (tuple(shape), names)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+    return _MESHES[key]
+
+
 def _case(fn: Callable[..., Any], args: tuple) -> Any:
     """``fn(*args)`` from the same starting state as in a fresh process; the state it changed
     is put back."""

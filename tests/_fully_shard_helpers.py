@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _dist import shared_mesh
 
 from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch
 
@@ -22,12 +23,9 @@ def _impl(which: str):
 
 
 def _mesh(recipe: str):
-    from torch.distributed.device_mesh import init_device_mesh
 
     if recipe == "hsdp":
-        return init_device_mesh(
-            "cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard")
-        )
+        return shared_mesh((2, dist.get_world_size() // 2), ("replicate", "shard"))
     return None
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from _dist import shared_mesh
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, LAYERS = 48, 32, 4, 86, 8, 2
 STEPS = 5
@@ -121,9 +122,8 @@ def tp_plan(sequence_parallel: bool = False) -> dict:
 
 
 def world_mesh(shape: tuple[int, ...] = (2, 2), names: tuple[str, ...] = ("dp", "tp")):
-    from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return shared_mesh(shape, names)
 
 
 def build(which: str, mesh, *, recipe: str = "fp32", sp: bool = False) -> nn.Module:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import shared_mesh
 from _helpers import random_like
 from hypothesis import given
 from hypothesis import strategies as st
@@ -72,7 +73,6 @@ def test_plan_keeps_order_and_bounds(sizes: list[int], ok: list[bool], bucket: i
 
 def _model(kind: str, bucket_bytes: int, opts: dict[str, Any], cfg: dict | None = None) -> Any:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from functional_fsdp.testing.models import GPT, GPTConfig
 
@@ -85,7 +85,7 @@ def _model(kind: str, bucket_bytes: int, opts: dict[str, Any], cfg: dict | None 
     kw: dict[str, Any] = {}
     ws = dist.get_world_size()
     if opts.get("hsdp"):
-        kw["mesh"] = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("rep", "shard"))
+        kw["mesh"] = shared_mesh((2, ws // 2), ("rep", "shard"))
     if opts.get("bf16"):
         kw["mp_policy"] = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16, reduce_dtype=torch.float32

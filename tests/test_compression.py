@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import World
+from _dist import World, shared_mesh
 from _fully_shard_helpers import CFG
 from hypothesis import given
 from hypothesis import strategies as st
@@ -306,9 +306,8 @@ def case_training_tracks_exact(steps: int) -> dict:
 def case_hsdp_and_accumulation(mesh_shape: tuple[int, int]) -> dict:
     """HSDP (replicate, shard) and two micro-batches without gradient sync on the first: the
     compressed model trains beside the exact one; a shard group of one rank stays exact."""
-    from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+    mesh = shared_mesh(mesh_shape, ("replicate", "shard"))
     out: dict[str, Any] = {}
     for name, policy in (("exact", None), ("int8", F.GradCompression())):
         model = _build(policy, mesh)

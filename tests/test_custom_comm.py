@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _dist import World
+from _dist import World, shared_mesh
 from _fully_shard_helpers import CFG, _all_equal, _full_params, _max_abs, _optimizer
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
@@ -107,9 +107,7 @@ def _build(which: str, *, mesh_shape: tuple[int, ...] = (), mp: bool = False, to
     if mp:
         kw["mp_policy"] = MP(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if mesh_shape:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        kw["mesh"] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        kw["mesh"] = shared_mesh(mesh_shape, ("replicate", "shard"))
     torch.manual_seed(0)
     model = GPT(CFG)
     if tok:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _dist import World
+from _dist import World, shared_mesh
 from _fully_shard_helpers import (
     CFG,
     _all_equal,
@@ -121,7 +121,6 @@ def case_explicit_prefetch(explicit: bool) -> dict:
 
 def case_errors() -> list[str]:
     """Bad input raises named errors before any collective; the world keeps working after."""
-    from torch.distributed.device_mesh import init_device_mesh
 
     from functional_fsdp import MixedPrecisionPolicy, errors, fully_shard
 
@@ -137,7 +136,7 @@ def case_errors() -> list[str]:
 
     expect(errors.IndivisibleError, lambda: fully_shard(nn.Linear(4, 4), reshard_after_forward=3))
     expect(errors.MeshError, lambda: fully_shard(nn.Linear(4, 4), mesh="not a mesh"))  # type: ignore[arg-type]
-    mesh3 = init_device_mesh("cpu", (dist.get_world_size(), 1, 1))
+    mesh3 = shared_mesh((dist.get_world_size(), 1, 1))
     expect(errors.MeshError, lambda: fully_shard(nn.Linear(4, 4), mesh=mesh3))
 
     class Scalar(nn.Module):

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
+from _dist import shared_mesh
 
 from functional_fsdp.core.errors import WholeMatrixError
 
@@ -368,9 +369,8 @@ def _tp_unsupported(mesh: Any) -> dict[str, str]:
 
 def _tp_cases() -> dict[str, Any]:
     """The 4-rank world's 2-D cases (2 dp x 2 tp; HSDP x TP on 1 x 2 x 2 and 2 x 1 x 2)."""
-    from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = shared_mesh((2, 2), ("dp", "tp"))
     res: dict[str, Any] = {}
     for dtype in (torch.float32, torch.bfloat16):
         r = _placed_case(dtype, lambda v: _fsdp_tp(v, mesh))
@@ -383,7 +383,7 @@ def _tp_cases() -> dict[str, Any]:
         r = _placed_case(dtype, lambda v: _fsdp_tp(v, mesh), functional=True)
         res[f"same_grads_tp_functional_{dtype}"] = r["ulps"]
     for shape in ((1, 2, 2), (2, 1, 2)):
-        m3 = init_device_mesh("cpu", shape, mesh_dim_names=("rep", "dp", "tp"))
+        m3 = shared_mesh(shape, ("rep", "dp", "tp"))
         r = _placed_case(torch.float32, functools.partial(_fsdp_tp, mesh=m3))
         res[f"same_grads_hsdp_tp_{shape}"] = r["ulps"]
     res["tp_unsupported"] = _tp_unsupported(mesh)
@@ -425,7 +425,7 @@ def _case_all(world_size: int) -> dict[str, Any]:
     res["same_grads_shard1"] = _placed_case(torch.float32, lambda v: _shard1(v, world))["ulps"]
     if world_size == 4:
         # HSDP: replicate over 2, shard over 2.
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        mesh = shared_mesh((2, 2), ("replicate", "shard"))
         res["same_grads_hsdp"] = _same_grads_case(torch.float32, True, mesh)
         # 2-D FSDP x TP (2 dp x 2 tp), and HSDP x TP on (replicate, shard, tp) meshes.
         res.update(_tp_cases())

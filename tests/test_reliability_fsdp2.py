@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from _dist import World
+from _dist import World, shared_mesh
 
 import functional_fsdp
 from functional_fsdp import fully_shard
@@ -117,15 +117,13 @@ def _prefetch_plain(fs, mesh) -> None:
 
 
 def _mesh_3d(fs, mesh) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
 
-    fs(_lin(), mesh=init_device_mesh("cpu", (dist.get_world_size(), 1, 1)))
+    fs(_lin(), mesh=shared_mesh((dist.get_world_size(), 1, 1)))
 
 
 def _mesh_2d_unnamed(fs, mesh) -> None:
-    from torch.distributed.device_mesh import init_device_mesh
 
-    fs(_lin(), mesh=init_device_mesh("cpu", (1, dist.get_world_size())))
+    fs(_lin(), mesh=shared_mesh((1, dist.get_world_size())))
 
 
 def _twice(fs, mesh) -> None:
@@ -262,10 +260,9 @@ def case_fsdp2_message_regexes() -> dict:
     runs under torch's ``fully_shard`` and ours, and the same regex must match both."""
     import re
 
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
-    mesh_3d = init_device_mesh("cpu", (dist.get_world_size(), 1, 1))
+    mesh_3d = shared_mesh((dist.get_world_size(), 1, 1))
     cases = {
         "mesh_3d": (
             lambda fs: fs(_lin(), mesh=mesh_3d),

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import shared_mesh
 
 pytestmark = pytest.mark.multiprocess
 
@@ -28,13 +29,12 @@ def _cfg() -> Any:
 def _mesh(n_dp: int, hsdp: bool) -> tuple[Any, int]:
     """This rank's data-parallel mesh of ``n_dp`` ranks and its data-parallel rank."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     ws = dist.get_world_size()
     if hsdp:
-        mesh = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+        mesh = shared_mesh((2, ws // 2), ("replicate", "shard"))
         return mesh, dist.get_rank()  # dp rank = replica * shards + shard
-    mesh = init_device_mesh("cpu", (ws // n_dp, n_dp), mesh_dim_names=("copies", "dp"))["dp"]
+    mesh = shared_mesh((ws // n_dp, n_dp), ("copies", "dp"))["dp"]
     return mesh, mesh.get_local_rank()
 
 
@@ -357,13 +357,12 @@ def _train_2d(dp: int, reproducible: bool = True) -> dict[str, torch.Tensor]:
     independent copies of the run), ``V = 4`` micro-batches per step, AdamW."""
     import _tp_helpers as H
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     from functional_fsdp import ReproduciblePolicy, fully_shard
 
     copies = dist.get_world_size() // (2 * dp)
-    world = init_device_mesh("cpu", (copies, dp, 2), mesh_dim_names=("copies", "dp", "tp"))
+    world = shared_mesh((copies, dp, 2), ("copies", "dp", "tp"))
     policy = ReproduciblePolicy(virtual_world_size=4)
     model = H.reference_model()
     parallelize_module(model, world["tp"], H.tp_plan())

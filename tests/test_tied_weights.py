@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from _dist import shared_mesh
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,10 +49,9 @@ def _mesh(n: int) -> tuple[Any, int]:
     """This rank's data-parallel mesh of ``n`` ranks (``ws / n`` independent copies) and its
     rank in it."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     ws = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (ws // n, n), mesh_dim_names=("copies", "dp"))["dp"]
+    mesh = shared_mesh((ws // n, n), ("copies", "dp"))["dp"]
     return mesh, mesh.get_local_rank()
 
 
@@ -600,7 +600,6 @@ def _expect(exc: type[BaseException], fn: Any, *phrases: str) -> str:
 
 def _misuse() -> list[str]:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     from functional_fsdp import MixedPrecisionPolicy, ReproduciblePolicy, fully_shard
     from functional_fsdp.core.errors import ReproducibilityError, TiedParameterError
@@ -618,7 +617,7 @@ def _misuse() -> list[str]:
     seen.append(
         _expect(TiedParameterError, lambda: fully_shard(model.head, mp_policy=bf16), "dtype")
     )
-    one = init_device_mesh("cpu", (dist.get_world_size(), 1), mesh_dim_names=("dp", "one"))
+    one = shared_mesh((dist.get_world_size(), 1), ("dp", "one"))
     seen.append(
         _expect(TiedParameterError, lambda: fully_shard(model.head, mesh=one["one"]), "mesh")
     )
