@@ -23,7 +23,6 @@ def _impl(which: str):
 
 
 def _mesh(recipe: str):
-
     if recipe == "hsdp":
         return shared_mesh((2, dist.get_world_size() // 2), ("replicate", "shard"))
     return None

@@ -122,7 +122,6 @@ def tp_plan(sequence_parallel: bool = False) -> dict:
 
 
 def world_mesh(shape: tuple[int, ...] = (2, 2), names: tuple[str, ...] = ("dp", "tp")):
-
     return shared_mesh(shape, names)
 
 

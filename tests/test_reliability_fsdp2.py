@@ -117,12 +117,10 @@ def _prefetch_plain(fs, mesh) -> None:
 
 
 def _mesh_3d(fs, mesh) -> None:
-
     fs(_lin(), mesh=shared_mesh((dist.get_world_size(), 1, 1)))
 
 
 def _mesh_2d_unnamed(fs, mesh) -> None:
-
     fs(_lin(), mesh=shared_mesh((1, dist.get_world_size())))
 
 
