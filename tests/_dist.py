@@ -15,6 +15,8 @@ leave them as it found them:
   the default group by some ranks only. Left there, gloo's own timeout would close the
   connection a minute later, in the middle of an unrelated case ("Connection reset by peer").
   A case that breaks a step on purpose ends it as a user would, with ``reset_iter_state()``.
+- A case that needs a mesh of two or more dims takes it from :func:`shared_mesh`, so the
+  process groups it brings are made once per process, not once per case.
 """
 
 from __future__ import annotations
