@@ -100,3 +100,38 @@ def test_a_survivable_run_reports_a_killed_rank_as_none() -> None:
     assert run_local(_die_on_rank_one, 2, timeout_s=120, survivable=True) == [0, None]
     with pytest.raises(RuntimeError, match="survivable=True"):
         launcher_store()
+
+
+def _many_tensors(n: int, big_numel: int) -> dict[str, torch.Tensor]:
+    rank = dist.get_rank()
+    out = {f"t{i}": torch.full((3,), float(i + 1000 * rank)) for i in range(n)}
+    out["big"] = torch.arange(big_numel, dtype=torch.float32) + rank
+    return out
+
+
+def test_a_result_of_many_tensors_and_a_large_one_comes_back_intact() -> None:
+    """400 small tensors and a 50 MB one per rank: each rank serialises its result to bytes,
+    so the queue passes no shared-memory file descriptors (as tensors, 120 of them already
+    broke the launcher)."""
+    big = 50_000_000 // 4
+    results = run_local(_many_tensors, 2, 400, big, timeout_s=120)
+    for rank, res in enumerate(results):
+        assert len(res) == 401
+        for i in range(400):
+            assert torch.equal(res[f"t{i}"], torch.full((3,), float(i + 1000 * rank)))
+        assert torch.equal(res["big"], torch.arange(big, dtype=torch.float32) + rank)
+
+
+def _unpicklable() -> object:
+    return lambda: None
+
+
+def test_a_result_that_cannot_be_pickled_fails_its_rank_at_once() -> None:
+    """Not a silent loss in the queue's feeder thread (the run then waited out its timeout):
+    the rank reports the pickling error."""
+    import time
+
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"(?s)rank 0.*pickle"):
+        run_local(_unpicklable, 1, timeout_s=40)
+    assert time.monotonic() - t0 < 30

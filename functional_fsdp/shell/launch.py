@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -55,6 +56,13 @@ def run_local(
     (:func:`~functional_fsdp.rebuild_on_survivors`): a rank killed by a signal without a
     result gets ``None`` in the returned list instead of failing the run (at least one rank
     must return).
+
+    A result may be any object ``torch.save`` can pickle, of any size: each rank serialises
+    its result to bytes itself, so the queue carries one bytes object per rank. (Tensors put on
+    a multiprocessing queue as they are travel as shared-memory file descriptors, and a result
+    of a hundred or more tensors ran out of them: ``ConnectionResetError`` or
+    ``FileNotFoundError`` in the launcher.) A result that cannot be serialised fails its rank
+    with the pickling error's traceback.
 
     Example:
         >>> def hello():  # doctest: +SKIP
@@ -136,7 +144,10 @@ def _launch(
                 if time.monotonic() > deadline:
                     failed[-1] = f"timed out after {timeout_s} s"
                 continue
-            (done if ok else failed)[rank] = value
+            if ok:
+                done[rank] = _from_bytes(value)
+            else:
+                failed[rank] = value
     finally:
         for p in procs:
             p.join(timeout=0 if failed else 60)
@@ -186,9 +197,25 @@ def _rank_main(
         out.put((rank, False, traceback.format_exc()))
         return
     try:
-        out.put((rank, True, fn(*args)))
+        payload = _to_bytes(fn(*args))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
+    else:
+        out.put((rank, True, payload))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _to_bytes(value: Any) -> bytes:
+    """``value`` as bytes (``torch.save``: tensors' storages inline, shared ones once), so the
+    queue passes no file descriptors whatever the result holds."""
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _from_bytes(data: bytes) -> Any:
+    """The result a rank serialised with :func:`_to_bytes` (our own child's bytes: trusted,
+    so any picklable object is allowed back)."""
+    return torch.load(io.BytesIO(data), weights_only=False)
