@@ -402,3 +402,16 @@ def test_a_standing_by_spare_takes_the_next_lost_ranks_place(tmp_path: Any) -> N
         for k, want in res["reference"].items():
             assert (res["final"][k] == want).all(), k
     assert any("spare(s) took their places" in e["message"] for e in results[1]["events"])
+
+
+def test_rebuilding_without_copies_is_refused_before_anything_changes(one_rank: None) -> None:
+    """``copies=None`` (no ``keep_neighbour_copies``): a named error saying the copies are
+    required, raised before the old process group is dropped or the store is touched."""
+    from functional_fsdp import fully_shard, rebuild_on_survivors
+    from functional_fsdp.core.errors import ArgumentTypeError
+
+    model = fully_shard(torch.nn.Linear(4, 4))
+    opt = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ArgumentTypeError, match="keep_neighbour_copies"):
+        rebuild_on_survivors(model, opt, None, None, lambda: (model, opt))  # type: ignore[arg-type]
+    assert dist.is_initialized()

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ...core.errors import StateError
+from ...core.errors import ArgumentTypeError, StateError
 from ...core.records import ShardedState
 from ...core.recovery import (
     Redundancy,
@@ -203,9 +203,18 @@ def rebuild_on_survivors(
         standby_timeout_s: the longest a spare waits (``None``: until needed or released).
 
     Raises:
+        ArgumentTypeError: ``copies`` is not a :class:`~.copies.NeighbourCopies` (e.g.
+            ``None``: no copies were kept); raised before anything changes.
         UnrecoverableLossError: the lost ranks' copies were lost with them (two neighbours).
         StateError: this rank is not among the agreed survivors, or nobody was lost.
     """
+    if not isinstance(copies, NeighbourCopies):
+        raise ArgumentTypeError(
+            f"rebuild_on_survivors needs the neighbour copies the lost ranks are rebuilt from, "
+            f"got copies={copies!r}: call copies = keep_neighbour_copies(model, optimizer) on "
+            "every rank before training and pass them here (without copies a lost rank's shards "
+            "exist nowhere in memory: resume from the last checkpoint instead)"
+        )
     t0 = time.monotonic()
     rank, ws = copies.rank, copies.world_size
     report = copies.restorable()
