@@ -13,6 +13,7 @@ import importlib
 from typing import Any
 
 from ._torch_muon_guard import install as _install_torch_muon_guard
+from .core import errors as _errors
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 _PUBLIC: dict[str, tuple[str, str | None]] = {
     # the pure core: errors, records, policies, transitions, the communicator protocol, pytrees
     "errors": (".core.errors", None),
+    **{n: (".core.errors", n) for n in _errors.__all__},  # every error and warning class
     "CPUOffloadPolicy": (".core.records", "CPUOffloadPolicy"),
     "GroupLayout": (".core.records", "GroupLayout"),
     "MixedPrecisionPolicy": (".core.records", "MixedPrecisionPolicy"),
@@ -56,6 +58,8 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "summon_full_params": (".shell", "summon_full_params"),
     "keep_neighbour_copies": (".shell", "keep_neighbour_copies"),
     "rebuild_on_survivors": (".shell", "rebuild_on_survivors"),
+    "NeighbourCopies": (".shell", "NeighbourCopies"),
+    "Rebuilt": (".shell", "Rebuilt"),
     "release_spares": (".shell", "release_spares"),
     "stand_by": (".shell", "stand_by"),
     "save_checkpoint": (".shell", "save_checkpoint"),

@@ -65,3 +65,90 @@ def test_fsdp2_mapping_covers_every_method_and_argument() -> None:
     missing = [n for n in methods if f"`{n}" not in doc]
     missing += [p for p in inspect.signature(fully_shard).parameters if f"`{p}`" not in doc]
     assert not missing, f"docs/fsdp2_mapping.md does not mention {missing}"
+
+
+def _api_names() -> list[tuple[str, str]]:
+    """``(module, name)`` for every name in a ``| name | what |`` table of docs/api.md: a
+    section whose heading names a module (``functional_fsdp.functional``) lists that module's
+    names; a dotted name is relative to ``functional_fsdp`` (or absolute); ```m`: `a`, `b```
+    lists ``m.a`` and ``m.b``. Built-in exception names given in parentheses are not listed."""
+    import builtins
+
+    module, header, out = "functional_fsdp", None, []
+    for line in (DOCS / "api.md").read_text().splitlines():
+        if line.startswith("#"):
+            if line.startswith("## "):
+                named = re.search(r"\(`(functional_fsdp\.[\w.]+)`", line)
+                module = named.group(1) if named else "functional_fsdp"
+            header = None
+            continue
+        if not line.startswith("|"):
+            header = None
+            continue
+        first = line.strip("|").split("|")[0].strip()
+        if header is None:
+            header = first
+            continue
+        if header != "name" or set(first) <= set("-: "):
+            continue
+        prefix = ""
+        for m in re.finditer(r"`([^`]+)`(:?)", first):
+            name = m.group(1).split("(")[0].strip()
+            if m.group(2):  # `core.recovery`: `regroup`, ...
+                prefix = name + "."
+            elif name != "..." and not hasattr(builtins, name):
+                out.append((module, prefix + name))
+    return out
+
+
+def _resolve(module: str, name: str) -> Any:
+    import importlib
+
+    if "." not in name:
+        namespace: dict[str, Any] = {}
+        exec(f"from {module} import {name}", namespace)  # what a user writes
+        return namespace[name]
+    parts = name.removeprefix("functional_fsdp.").split(".")
+    obj, path = importlib.import_module("functional_fsdp"), "functional_fsdp"
+    for part in parts:  # an attribute (functional_fsdp.errors) or a submodule not loaded yet
+        path += "." + part
+        obj = getattr(obj, part) if hasattr(obj, part) else importlib.import_module(path)
+    return obj
+
+
+def test_every_name_api_md_lists_is_importable() -> None:
+    """``from functional_fsdp import name`` (or the section's module) works for every name the
+    API reference lists, the error classes included."""
+    names = _api_names()
+    assert ("functional_fsdp", "UnrecoverableLossError") in names
+    assert ("functional_fsdp", "ReproducibilityError") in names
+    assert len(names) > 80  # the parser found the tables
+    missing = []
+    for module, name in names:
+        try:
+            _resolve(module, name)
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{module}: {name} ({e})")
+    assert not missing, "docs/api.md lists names that do not import:\n" + "\n".join(missing)
+
+
+def test_every_error_class_is_importable_from_the_top_level() -> None:
+    import functional_fsdp
+    from functional_fsdp.core import errors
+
+    for name in errors.__all__:
+        assert getattr(functional_fsdp, name) is getattr(errors, name)
+        assert name in functional_fsdp.__all__
+
+
+def test_api_md_lists_every_field_of_rebuilt() -> None:
+    """docs/recovery.md's loop reads ``rb.epoch``; the reference lists it (and every field)."""
+    import attrs
+
+    from functional_fsdp.shell.recovery.rebuild import Rebuilt
+
+    text = (DOCS / "api.md").read_text()
+    listed = re.search(r"return `Rebuilt` \(([^)]*)\)", text)
+    assert listed is not None
+    names = set(re.findall(r"`(\w+)`", listed.group(1)))
+    assert names == {f.name for f in attrs.fields(Rebuilt)} | {"spare"}

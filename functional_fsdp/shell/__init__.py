@@ -36,6 +36,8 @@ _EXPORTS: dict[str, str] = {
     "summon_full_params": ".io.summon",
     "keep_neighbour_copies": ".recovery.copies",
     "rebuild_on_survivors": ".recovery.rebuild",
+    "NeighbourCopies": ".recovery.copies",
+    "Rebuilt": ".recovery.rebuild",
     "release_spares": ".recovery.rebuild",
     "stand_by": ".recovery.rebuild",
     "save_checkpoint": ".io.checkpoint",
