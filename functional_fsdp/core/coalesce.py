@@ -34,7 +34,7 @@ from typing import cast
 import attrs
 import torch
 
-from .comm import Communicator, PiecesCommunicator, Work, check_comm
+from .comm import Communicator, PiecesCommunicator, Work, check_comm, work_done
 from .errors import StateError
 from .records import GroupLayout, ShardedState
 from .reduction import PendingReduce, ReduceInput, empty_buffer
@@ -156,11 +156,16 @@ class CoalescedWork:
     def wait(self) -> None:
         """Wait for the collective, then run the hand-out step (the first time only)."""
         if self._work is not None:
-            work, self._work = self._work, None
-            work.wait()
+            self._work.wait()  # (kept until waited: a failed wait leaves it in flight)
+            self._work = None
         if self._then is not None:
             then, self._then = self._then, None
             then()
+
+    def is_completed(self) -> bool | None:
+        """Whether the collective completed (the hand-out may not have run yet); ``None``
+        when its work cannot say."""
+        return True if self._work is None else work_done(self._work)
 
 
 def _check_bucket(states: Sequence[ShardedState], comm: Communicator, what: str) -> None:
@@ -299,8 +304,13 @@ class _BucketRows:
     def wait(self) -> None:
         """Wait for the collective (the first time only)."""
         if self._work is not None:
-            work, self._work = self._work, None
-            work.wait()
+            self._work.wait()  # (kept until waited: a failed wait leaves it in flight)
+            self._work = None
+
+    def is_completed(self) -> bool | None:
+        """Whether the collective completed (no row can be written any more); ``None`` when
+        its work cannot say."""
+        return True if self._work is None else work_done(self._work)
 
     def done(self) -> None:
         """One member is done with its part; the last frees the rows and the send buffer."""
@@ -337,6 +347,10 @@ class _MemberRows:
     def wait(self) -> None:
         """Wait for the bucket's collective."""
         self._bucket.wait()
+
+    def is_completed(self) -> bool | None:
+        """Whether the bucket's collective completed (``None``: its work cannot say)."""
+        return self._bucket.is_completed()
 
     def fill(self, into: torch.Tensor) -> None:
         """Lay this member's rows (the peers' received, this rank's own shards) out in

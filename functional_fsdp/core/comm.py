@@ -35,6 +35,7 @@ __all__ = [
     "check_comm",
     "collective_or_copy",
     "uses_pieces",
+    "work_done",
 ]
 
 
@@ -46,6 +47,16 @@ class Work(Protocol):
         """Block until the collective's output is ready."""
 
 
+def work_done(work: Work) -> bool | None:
+    """Whether ``work``'s collective has completed (no message can land in its buffers any
+    more), without waiting: its ``is_completed()`` (torch's ``Work`` and this package's
+    handles have one; a handle answers ``None`` when the work it wraps cannot say), or
+    ``None`` when it has none. A work that completed with an error counts as completed."""
+    check = getattr(work, "is_completed", None)
+    done = None if check is None else check()
+    return None if done is None else bool(done)
+
+
 class DoneWork:
     """A :class:`Work` that is already complete."""
 
@@ -53,6 +64,10 @@ class DoneWork:
 
     def wait(self) -> None:
         """Nothing to wait for."""
+
+    def is_completed(self) -> bool:
+        """Always: there was nothing to wait for."""
+        return True
 
 
 def collective_or_copy(
@@ -82,6 +97,11 @@ class ThenWork:
         then, self._then = self._then, None
         if then is not None:
             then()
+
+    def is_completed(self) -> bool | None:
+        """Whether the collective completed (the continuation may not have run yet);
+        ``None`` when ``work`` cannot say."""
+        return work_done(self._work)
 
 
 @runtime_checkable

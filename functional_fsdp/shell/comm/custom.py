@@ -46,7 +46,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ...core.comm import Communicator, DoneWork, ThenWork, Work
+from ...core.comm import Communicator, DoneWork, ThenWork, Work, work_done
 from ...core.errors import CollectiveError, LayoutMismatchError, PolicyError
 from ...core.reduction import PendingReduce
 from .process_group import ProcessGroupComm
@@ -102,16 +102,21 @@ class _CustomWork:
         self._then: Callable[[], None] | None = then
 
     def wait(self) -> None:
-        work, self._work = self._work, None
+        work = self._work
         if work is not None:
             base = self._comm.base
             if base is not None and callable(getattr(work, "is_completed", None)):
                 base.wait_works([work], self._what)
             else:
                 self._comm.guard(work.wait, self._what)
+            self._work = None  # (kept until waited: a failed wait leaves it in flight)
         then, self._then = self._then, None
         if then is not None:
             then()
+
+    def is_completed(self) -> bool | None:
+        """Whether the user's collective completed (``None`` when its ``Work`` cannot say)."""
+        return True if self._work is None else work_done(self._work)
 
 
 class _Delegating:

@@ -64,12 +64,17 @@ class _ThenWork:
 
     def wait(self) -> None:
         if self._works:
-            works, self._works = self._works, []
-            self._comm.wait_works(works, seq=self._seq)
+            # Cleared only once waited: a failed wait leaves them in flight (is_completed).
+            self._comm.wait_works(self._works, seq=self._seq)
+            self._works = []
         self._comm._pending.pop(self._seq, None)
         if self._then is not None:
             then, self._then = self._then, None
             then()
+
+    def is_completed(self) -> bool:
+        """Whether every message completed (no waiting; ``then`` may not have run yet)."""
+        return all(w.is_completed() for w in self._works)
 
 
 class ProcessGroupComm:

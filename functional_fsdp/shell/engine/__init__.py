@@ -3,4 +3,5 @@
 (``ShardedParam``), ``config.py`` (``GroupConfig``), ``gather.py`` (``GatherSlot``, every
 all-gather), ``autograd.py`` (the autograd Functions), ``functional_path.py`` (per-call gathers
 of caller-passed tensors), ``reproducible.py`` (the canonical-tree accumulation),
-``group_common.py`` and ``memory.py``."""
+``abandoned.py`` (work a failed step left in flight, kept until it lands), ``group_common.py``
+and ``memory.py``."""

@@ -79,6 +79,8 @@ class GatherSlot:
         version: the source version the live data was gathered from.
         output: the padded gather output kept for ``reshard_after_forward=k``, else ``None``.
         runtime: the device runtime the slot's operations run on.
+        landings: how many gathers have landed (a later landing shows the peers finished
+            an abandoned one: :mod:`.abandoned`).
     """
 
     __slots__ = (
@@ -91,6 +93,7 @@ class GatherSlot:
         "codecs",
         "device",
         "inner",
+        "landings",
         "layout",
         "live",
         "output",
@@ -128,6 +131,7 @@ class GatherSlot:
         self.pending_version = -1  # the source version of the gather in flight
         self.output: torch.Tensor | None = None
         self._staged: torch.Tensor | None = None  # an offloaded source's device copy in flight
+        self.landings = 0
 
     def alloc(self) -> torch.Tensor:
         """The buffer with its storage allocated (made on first use, re-grown after a free,
@@ -226,6 +230,7 @@ class GatherSlot:
         self.output = pending.output if keep_output else None
         self.version = self.pending_version
         self.live = True
+        self.landings += 1
 
     def gather(
         self,

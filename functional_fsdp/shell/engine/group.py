@@ -49,6 +49,7 @@ from ..device import runtime_for
 from ..device.runtime import DeviceRuntime
 from ..parallel.tensor_parallel import TensorParallelPlan
 from . import ordering
+from .abandoned import AbandonedWork
 from .autograd import UnshardFn, reduce_differentiably
 from .coalesced import start_together
 from .config import GroupConfig
@@ -154,7 +155,7 @@ class ParamGroup(GroupGradients, GroupLending):
         self.training_state = TrainingState.IDLE
         self.ran_post_backward = False
         self.ran_forward = False  # this iteration's forward finished (a bucket skips it)
-        self._abandoned: list[Any] = []  # in-flight work a failed step left (kept referenced)
+        self._abandoned = AbandonedWork()  # in-flight work a failed step left, until it lands
         # Whether a create_graph backward needs the full parameters for a double backward.
         self.keep_for_double_backward = False
         # fully_shard([m1, m2]): the modules sharing this group, and how many finished forward.
@@ -480,13 +481,14 @@ class ParamGroup(GroupGradients, GroupLending):
     def abandon_in_flight(self) -> None:
         """``reset_iter_state``: drop the collectives a failed step left in flight without
         waiting (a peer may never complete them). Their buffers, the unsharded one included,
-        stay referenced here so a late message never lands in freed or reused memory; the group
-        gathers into a fresh buffer from now on."""
+        stay referenced until they can no longer land (:mod:`.abandoned`), so a late message
+        never lands in freed or reused memory; the group gathers into a fresh buffer from now
+        on."""
+        self._abandoned.release_landed(self.slot.landings)
         kept = self.slot.abandon()
         if self.pending_reduce is not None:
             kept.append(self.pending_reduce)
-        if kept:
-            self._abandoned.append(kept)
+        self._abandoned.keep(kept, self.slot.landings)
         self.pending_reduce = None
 
     def discard_pending(self) -> None:
@@ -502,6 +504,7 @@ class ParamGroup(GroupGradients, GroupLending):
         self.ran_forward = False
         self._outputs_fresh = False
         self.lent_open = 0
+        self._abandoned.release_landed(self.slot.landings)
 
     def pre_forward(self, prefetch: Sequence[ParamGroup], *, together: bool = False) -> None:
         """Unshard (consuming a prefetch), start the ``prefetch`` groups' all-gathers (in one
