@@ -110,10 +110,14 @@ def _unsupported_checkpointing(err: Exception) -> UnsupportedError | None:
 
 
 def _backward(
-    model: nn.Module, loss: torch.Tensor, inputs: Sequence[torch.Tensor], deferred: Any
+    model: nn.Module,
+    loss: torch.Tensor,
+    inputs: Sequence[torch.Tensor],
+    deferred: Any,
+    tree: TreeReductions | None,
 ) -> tuple[torch.Tensor | None, ...]:
     try:
-        return torch.autograd.grad(loss, list(inputs), allow_unused=True)
+        grads = torch.autograd.grad(loss, list(inputs), allow_unused=True)
     except (RuntimeError, CheckpointError) as e:
         unsupported = _unsupported_checkpointing(e)
         if unsupported is None:
@@ -122,6 +126,9 @@ def _backward(
         raise unsupported from e
     finally:
         deferred.wait()
+    if tree is not None:
+        tree.end_backward()  # a group's uses in this micro-batch make one leaf
+    return grads
 
 
 def accumulate_grads(
@@ -156,7 +163,9 @@ def accumulate_grads(
         loss_sum = loss_sum + loss.detach().float()
         if has_aux:
             auxes.append(pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), aux))
-        grads = _backward(model, loss / grad_accum if grad_accum > 1 else loss, inputs, deferred)
+        grads = _backward(
+            model, loss / grad_accum if grad_accum > 1 else loss, inputs, deferred, tree
+        )
         del loss, aux  # drop the graph (and the packed shards its gathers kept) now
         if tree is not None:
             continue  # the gradients are in the tree

@@ -12,7 +12,9 @@ bucket does during a step:
   copy-in runs at once, on compute, and frees autograd's gradients); the last member's
   issues one reduce-scatter for all, and every member gets its part as its reduction in
   flight, which it finishes as it finishes its own. The root's final callback flushes a bucket
-  some members of which got no gradient this step.
+  some members of which got no gradient this step. A member whose post-backward runs again
+  before the bucket went out (a module called twice in one forward) first sends what the
+  bucket holds, so each use's gradients are reduced once and add up in ``.grad``.
 """
 
 from __future__ import annotations
@@ -157,6 +159,10 @@ class ReduceBucket:
             return None
         off, width = self._columns[id(group)]
         return self._send.narrow(1, off, width)
+
+    def holds(self, group: Reducer) -> bool:
+        """Whether ``group`` handed in gradients that this bucket has not sent yet."""
+        return id(group) in self._inputs
 
     def add(self, group: Reducer, rin: T.ReduceInput) -> None:
         """``group``'s packed gradients of this backward; issue when every member's is in."""

@@ -136,17 +136,32 @@ class DeferredReductions:
     Tag the tensors passed to ``functional_call`` with :meth:`tag`; groups whose sources are
     tagged start their reduce-scatter asynchronously in backward and return sharded gradients
     whose data is filled in by :meth:`wait`. Read the gradients only after :meth:`wait`, and
-    only when each tagged tensor feeds one group and receives its gradient through
-    ``torch.autograd.grad`` (no ``.grad`` accumulation, no tensor hooks): that is how the
-    functional training step uses it.
+    only when each tagged tensor receives its gradient through ``torch.autograd.grad`` (no
+    ``.grad`` accumulation, no tensor hooks): that is how the functional training step uses it.
+
+    A group used more than once in the forward (a module called twice) reduces once per use,
+    and autograd adds the uses' gradients as soon as the later one arrives: only its first
+    reduction is deferred; a later one first lands every reduction in flight (:meth:`first`)
+    and then reduces synchronously, so autograd adds landed values.
     """
 
-    __slots__ = ("_pending",)
+    __slots__ = ("_pending", "_seen")
 
     ATTR = "_ffsdp_deferred_reductions"
 
     def __init__(self) -> None:
         self._pending: list[tuple[T.PendingReduce, list[torch.Tensor | None], DeviceRuntime]] = []
+        self._seen: set[int] = set()  # id() of the groups that reduced in this backward
+
+    def first(self, group: object) -> bool:
+        """Whether this is ``group``'s first reduction since the last :meth:`wait` (it may be
+        deferred); otherwise land every reduction in flight now (autograd is about to add
+        this use's gradients to an earlier use's)."""
+        if id(group) not in self._seen:
+            self._seen.add(id(group))
+            return True
+        self._land()
+        return False
 
     def tag(self, tensors: Sequence[torch.Tensor]) -> None:
         """Mark ``tensors`` (the parameters a forward will use) as deferring into ``self``."""
@@ -164,7 +179,11 @@ class DeferredReductions:
         self._pending.append((pending, results, runtime))
 
     def wait(self) -> None:
-        """Finish every reduction in flight (in issue order)."""
+        """Finish every reduction in flight (in issue order); the next backward starts anew."""
+        self._land()
+        self._seen.clear()
+
+    def _land(self) -> None:
         pending, self._pending = self._pending, []
         for p, results, runtime in pending:
             new = ordering.finish_reduce(runtime, p)
@@ -303,7 +322,7 @@ class GatherCall:
             self.tree.push(g, self.sharded, self.source_ids, grads)
             return (None,) * len(grads)
         deferred = None if self.create_graph else self.deferred
-        if deferred is not None:
+        if deferred is not None and deferred.first(g):
             pending = g.begin_reduce(grads, self.sharded, async_op=True, all_reduce=True)
             locals_ = _deferred_results(pending)
             deferred.add(pending, locals_, g.runtime)

@@ -112,19 +112,17 @@ class GroupGradients:
 
     # ------------------------------------------------------------------ a backward's gradients
 
-    def reduce_gradients(self, grads: Sequence[torch.Tensor | None]) -> None:
+    def reduce_gradients(self, grads: Sequence[torch.Tensor | None], *, last_use: bool) -> None:
         """This backward's full gradients (``None`` for the frozen ones): push them into the
         reproducible tree, keep them (gradient sync off: accumulation), or start their
         reduce-scatter (in the group's reduce bucket when it coalesces), after finishing the
-        reduction still in flight."""
+        reduction still in flight. ``last_use``: no other use of the group in this forward
+        has a backward to come (a module called twice hands in two uses' gradients)."""
         if self.tree is not None:
             # The canonical tree: accumulate whatever the sync flag says; reduce once per step.
-            if self.tree.push(grads, self.layout):
-                self.finish_reduce()
-                self.reduce_chain.hand_over(self)
-                self.pending_reduce = self.tree.begin(
-                    self.state, self.comm, self.replicate_comm, runtime=self.runtime
-                )
+            # A micro-batch's uses make one leaf, whatever the world size.
+            if self.tree.push(grads, self.layout, last=last_use):
+                self._begin_tree_reduce()
         elif not self.config.requires_gradient_sync:
             rdtype = self.layout.grad_reduce_dtype()
             acc = self.accumulated or [None] * len(grads)
@@ -140,13 +138,35 @@ class GroupGradients:
                 ]
                 self.accumulated = None
             if any(g is not None for g in grads):
-                self.finish_reduce()
                 bucket = self.reduce_bucket
+                if bucket is not None and bucket.holds(self):
+                    # A second post-backward of this group in one backward (a module called
+                    # twice in the forward): its first gradients wait in the bucket for the
+                    # other members. Send what the bucket holds now, so this use's gradients
+                    # are a reduction of their own that adds to .grad, as without a bucket
+                    # (and as FSDP2), instead of overwriting the first use's columns.
+                    bucket.flush()
+                self.finish_reduce()
                 if bucket is not None and self.coalesces_reduce():
                     bucket.add(self, self.reduce_copy_in(grads, bucket.columns(self)))
                 else:
                     self.reduce_chain.hand_over(self)
                     self.pending_reduce = self.begin_reduce(grads, self.state)
+
+    def _begin_tree_reduce(self) -> None:
+        """The step's last micro-batch joined the canonical tree: send its subtree sum."""
+        assert self.tree is not None
+        self.finish_reduce()
+        self.reduce_chain.hand_over(self)
+        self.pending_reduce = self.tree.begin(
+            self.state, self.comm, self.replicate_comm, runtime=self.runtime
+        )
+
+    def close_tree_leaf(self) -> None:
+        """The backward ended (the root's final callback): the uses of this group that
+        reached it make the micro-batch's leaf, also when a use's backward never ran."""
+        if self.tree is not None and self.tree.commit():
+            self._begin_tree_reduce()
 
     @traced("post_backward_reduce")
     def begin_reduce(

@@ -155,6 +155,10 @@ class ParamGroup(GroupGradients, GroupLending):
         self.training_state = TrainingState.IDLE
         self.ran_post_backward = False
         self.ran_forward = False  # this iteration's forward finished (a bucket skips it)
+        # This iteration's uses whose backward reduces (a module called twice makes two) and
+        # how many of those backwards ran: the last one closes a reproducible micro-batch.
+        self.grad_uses = 0
+        self.backward_uses = 0
         self._abandoned = AbandonedWork()  # in-flight work a failed step left, until it lands
         # Whether a create_graph backward needs the full parameters for a double backward.
         self.keep_for_double_backward = False
@@ -502,6 +506,7 @@ class ParamGroup(GroupGradients, GroupLending):
         iteration."""
         self.ran_post_backward = False
         self.ran_forward = False
+        self.grad_uses = self.backward_uses = 0
         self._outputs_fresh = False
         self.lent_open = 0
         self._abandoned.release_landed(self.slot.landings)
@@ -537,6 +542,7 @@ class ParamGroup(GroupGradients, GroupLending):
         """Autograd-tracked full tensors for this forward (their backward reduces the
         gradients); plain views of the buffer when nothing needs a gradient."""
         if torch.is_grad_enabled() and self._trains:
+            self.grad_uses += 1
             return tuple(UnshardFn.apply(self, *self._params))
         return tuple(v.view_as(v) for v in self.views)
 
@@ -620,6 +626,7 @@ class ParamGroup(GroupGradients, GroupLending):
     def post_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Reduce (or accumulate, without sync) the full gradients; reshard after backward."""
         self._enter_post_backward()
+        self.backward_uses += 1
         grads = [g if rg else None for g, rg in zip(grads, self._requires_grad)]
         if self.config.reshard_after_backward:
             # The gradients are separate tensors: free the full parameters before packing them
@@ -627,11 +634,13 @@ class ParamGroup(GroupGradients, GroupLending):
             if not self.lent_open:
                 self.free()
             self.register_sharded()
-        self.reduce_gradients(grads)
+        self.reduce_gradients(grads, last_use=self.backward_uses >= self.grad_uses)
 
     def finish_backward(self, is_last_backward: bool) -> None:
         """The root's final callback: finish the reduction (the last backward of an
         iteration; otherwise it overlaps the next micro-batch), reshard and go idle."""
+        self.close_tree_leaf()
+        self.grad_uses = self.backward_uses = 0
         if is_last_backward:
             # Otherwise (FSDP2's set_is_last_backward(False), gradient accumulation) the
             # reduction stays in flight, overlapping the next micro-batch; the group's next
@@ -664,6 +673,7 @@ class ParamGroup(GroupGradients, GroupLending):
             self.tree.reset()
         self.ran_post_backward = False
         self.ran_forward = False
+        self.grad_uses = self.backward_uses = 0
         self.forward_done = 0
         self.lent_open, self._own_open = 0, False
         self.free()

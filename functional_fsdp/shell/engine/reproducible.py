@@ -51,24 +51,42 @@ class TreeAccumulator:
         name: the group's name, for messages.
     """
 
-    __slots__ = ("__weakref__", "name", "per_rank", "present", "sums")
+    __slots__ = ("__weakref__", "name", "open", "per_rank", "present", "sums")
 
     def __init__(self, policy: ReproduciblePolicy, dp_size: int, name: str) -> None:
         self.per_rank = policy.micro_batches_per_rank(dp_size)
         self.name = name
         self.sums = TreeSums()
         self.present: list[bool] | None = None
+        # The running micro-batch's leaf while more of its uses are to come (a module called
+        # more than once in the forward: one backward, several gradients, one leaf).
+        self.open: torch.Tensor | None = None
 
     @property
     def count(self) -> int:
         """Micro-batches accumulated so far this step."""
         return self.sums.count
 
-    def push(self, grads: Sequence[torch.Tensor | None], layout: GroupLayout) -> bool:
-        """Add one micro-batch's full gradients; ``True`` when the step's last one arrived."""
+    def push(
+        self, grads: Sequence[torch.Tensor | None], layout: GroupLayout, *, last: bool = True
+    ) -> bool:
+        """Add one use's full gradients to the running micro-batch's leaf; with ``last`` (no
+        other use of the group in this backward is to come) the leaf joins the tree. ``True``
+        when the step's last micro-batch arrived."""
         leaf = pack_grads(grads, layout)
         now = [g is not None for g in grads]
         self.present = now if self.present is None else [a or b for a, b in zip(self.present, now)]
+        if self.open is not None:
+            leaf = self.open.add_(leaf)  # the earlier uses' sum, donated
+        self.open = leaf
+        return self.commit() if last else False
+
+    def commit(self) -> bool:
+        """The running micro-batch's leaf (if any) joins the tree (the end of its backward);
+        ``True`` when that was the step's last micro-batch."""
+        leaf, self.open = self.open, None
+        if leaf is None:
+            return False
         self.sums = push_leaf(self.sums, leaf, donate=True)
         if self.sums.count > self.per_rank:
             raise ReproducibilityError(self._wrong_count(self.sums.count))
@@ -145,6 +163,7 @@ class TreeAccumulator:
         """Forget the micro-batches of a step that will not complete (``reset_iter_state``)."""
         self.sums = TreeSums()
         self.present = None
+        self.open = None
         _PARTIAL.discard(self)
 
     def _wrong_count(self, n: int) -> str:
@@ -214,10 +233,16 @@ class TreeReductions:
             acc = TreeAccumulator(self.policy, dp, group.name)
             self._groups[key] = (acc, sharded, group, sources)
         acc = self._groups[key][0]
-        acc.push(grads, sharded.layout)
+        acc.push(grads, sharded.layout, last=False)  # another use may follow: end_backward
+
+    def end_backward(self) -> None:
+        """A micro-batch's backward ended: each group's uses in it make one leaf."""
+        for acc, *_ in self._groups.values():
+            acc.commit()
 
     def finish(self) -> dict[int, torch.Tensor]:
         """Reduce every group; ``{id(source tensor): its local sharded gradient}``."""
+        self.end_backward()
         out: dict[int, torch.Tensor] = {}
         pending = []
         for acc, sharded, group, sources in self._groups.values():
