@@ -79,7 +79,7 @@ class GroupGradients:
         if self.config.reproducible is not None:
             rep = self.replicate_comm
             dp = self.comm.world_size * (1 if rep is None else rep.world_size)
-            self.tree = TreeAccumulator(self.config.reproducible, dp, self.name)
+            self.tree = TreeAccumulator(self.config.reproducible, dp, self.name, awaits_step=True)
             install_step_check()
         self.pending_reduce: T.PendingReduce | PendingTreeReduce | None = None
         self.reduce_chain = ReduceChain()  # the root shares one among its groups (lazy init)

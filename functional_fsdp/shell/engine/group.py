@@ -670,7 +670,7 @@ class ParamGroup(GroupGradients, GroupLending):
         if self.reduce_bucket is not None:
             self.reduce_bucket.drop()
         if self.tree is not None:
-            self.tree.reset()
+            self.tree.abandon()
         self.ran_post_backward = False
         self.ran_forward = False
         self.grad_uses = self.backward_uses = 0

@@ -34,11 +34,20 @@ from ...core.reproducible import (
 from ..device.runtime import DeviceRuntime
 from . import ordering
 
-__all__ = ["TreeAccumulator", "TreeReductions", "check_no_partial_trees", "install_step_check"]
+__all__ = [
+    "TreeAccumulator",
+    "TreeReductions",
+    "check_no_partial_trees",
+    "install_step_check",
+    "steps_taken",
+]
 
 # Accumulators holding some but not all of a step's micro-batches (checked before an
 # optimizer step: see check_no_partial_trees).
 _PARTIAL: weakref.WeakSet[TreeAccumulator] = weakref.WeakSet()
+# Accumulators whose step is complete (reduced) and waits for the optimizer step: another
+# micro-batch backward before it is refused (see TreeAccumulator.commit).
+_COMPLETE: weakref.WeakSet[TreeAccumulator] = weakref.WeakSet()
 _STEP_CHECK: list[Any] = []
 
 
@@ -51,9 +60,14 @@ class TreeAccumulator:
         name: the group's name, for messages.
     """
 
-    __slots__ = ("__weakref__", "name", "open", "per_rank", "present", "sums")
+    __slots__ = ("__weakref__", "awaits_step", "name", "open", "per_rank", "present", "sums")
 
-    def __init__(self, policy: ReproduciblePolicy, dp_size: int, name: str) -> None:
+    def __init__(
+        self, policy: ReproduciblePolicy, dp_size: int, name: str, *, awaits_step: bool = False
+    ) -> None:
+        # The module path: after a complete step, the next backward waits for an optimizer
+        # step (the functional step makes a new accumulator per step).
+        self.awaits_step = awaits_step
         self.per_rank = policy.micro_batches_per_rank(dp_size)
         self.name = name
         self.sums = TreeSums()
@@ -87,6 +101,14 @@ class TreeAccumulator:
         leaf, self.open = self.open, None
         if leaf is None:
             return False
+        if self in _COMPLETE:
+            raise ReproducibilityError(
+                f"group {self.name!r}: a micro-batch backward after the step's "
+                f"{self.per_rank} were reduced, before the optimizer step, under "
+                f"ReproduciblePolicy (exactly {self.per_rank} per rank: virtual world size / "
+                "data-parallel world size); call optimizer.step() after the step's last "
+                "micro-batch, or reset_iter_state() to drop the step"
+            )
         self.sums = push_leaf(self.sums, leaf, donate=True)
         if self.sums.count > self.per_rank:
             raise ReproducibilityError(self._wrong_count(self.sums.count))
@@ -112,6 +134,8 @@ class TreeAccumulator:
             raise ReproducibilityError(self._wrong_count(self.sums.count))
         root, present = self.sums.root(), self.present or []
         self.reset()
+        if self.awaits_step:
+            _COMPLETE.add(self)
         return ordering.issue_tree_reduce(
             runtime,
             root,
@@ -166,6 +190,11 @@ class TreeAccumulator:
         self.open = None
         _PARTIAL.discard(self)
 
+    def abandon(self) -> None:
+        """``reset_iter_state``: forget the step, complete or not."""
+        self.reset()
+        _COMPLETE.discard(self)
+
     def _wrong_count(self, n: int) -> str:
         return (
             f"group {self.name!r}: {n} micro-batch backward(s) this step under "
@@ -177,12 +206,24 @@ class TreeAccumulator:
 
 
 def install_step_check() -> None:
-    """Register :func:`check_no_partial_trees` as a global optimizer step pre-hook (once per
-    process, when the first group with the policy is built)."""
+    """Register :func:`check_no_partial_trees` as a global optimizer step pre-hook and
+    :func:`steps_taken` as a post-hook (once per process, when the first group with the policy
+    is built)."""
     if not _STEP_CHECK:
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
+        from torch.optim.optimizer import (
+            register_optimizer_step_post_hook,
+            register_optimizer_step_pre_hook,
+        )
 
         _STEP_CHECK.append(register_optimizer_step_pre_hook(check_no_partial_trees))
+        _STEP_CHECK.append(register_optimizer_step_post_hook(steps_taken))
+
+
+def steps_taken(optimizer: Any, args: Any = (), kwargs: Any = None) -> None:
+    """An optimizer step post-hook: the complete steps' gradients were used; the next
+    micro-batch backward starts a new step."""
+    del optimizer, args, kwargs
+    _COMPLETE.clear()
 
 
 def check_no_partial_trees(optimizer: Any, args: Any = (), kwargs: Any = None) -> None:
