@@ -503,3 +503,73 @@ def test_faults_mid_forward_leave_nothing_behind(world2: World) -> None:
     longer land: 40 more faults leave the handles and live tensor storage where they were."""
     for early, late in world2.run(case_faults_leave_nothing, 45):
         assert late == early, (early, late)
+
+
+# ---------------------------------------------------------------------- an optimizer too early
+
+
+def case_optimizer_built_before_fully_shard() -> dict[str, object]:
+    """An optimizer built before ``fully_shard`` (holding the parameters it replaces), one
+    built after, and one that was fine until ``fully_shard`` replaced more of its parameters."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    from functional_fsdp.core.errors import ReplacedParameterError
+    from functional_fsdp.testing.models import synthetic_batch
+
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    early = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    old = list(model.parameters())
+    mesh = _mesh()
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x, y = synthetic_batch(CFG, 2, seed=dist.get_rank())
+    model.loss(x, y).backward()
+    before = _full(model)
+    out: dict[str, object] = {}
+    try:
+        early.step()
+    except ReplacedParameterError as e:
+        out["error"] = str(e)
+    # The real behaviour it stops: the step would have updated only tensors the model no
+    # longer uses (no gradient reaches them), leaving the model as it was.
+    out["old_grads"] = [p.grad is not None for p in old]
+    out["unchanged"] = all(torch.equal(before[n], v) for n, v in _full(model).items())
+    late = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    late.step()  # built after fully_shard: steps
+    out["late_trained"] = any(not torch.equal(before[n], v) for n, v in _full(model).items())
+    late.add_param_group({"params": [old[0]]})  # a replaced one joins later
+    try:
+        late.step()
+    except ReplacedParameterError as e:
+        out["added"] = str(e)
+    # A plain module's optimizer, checked clean at its first step, then fully_shard.
+    torch.manual_seed(1)
+    lin = nn.Linear(4, 4)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    lin(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    fully_shard(lin, mesh=mesh)
+    try:
+        opt.step()
+    except ReplacedParameterError as e:
+        out["after_clean"] = str(e)
+    out["hooks"] = [h.__name__ for h in _global_optimizer_pre_hooks.values()]
+    return out
+
+
+def test_optimizer_built_before_fully_shard_is_refused_by_name(world2: World) -> None:
+    for r in world2.run(case_optimizer_built_before_fully_shard):
+        msg = r["error"]
+        n = len(r["old_grads"])
+        assert f"AdamW holds {n} parameter(s) that fully_shard replaced" in msg, msg
+        assert (
+            "'qkv.weight' (fully_shard(Block))" in msg and "'tok.weight' (fully_shard(GPT))" in msg
+        )
+        assert "Build the optimizer after fully_shard" in msg
+        assert r["old_grads"] == [False] * n and r["unchanged"] and r["late_trained"]
+        assert "'weight' (fully_shard(Linear))" in r["after_clean"]
+        assert "AdamW holds 1 parameter(s)" in r["added"] and "'tok.weight'" in r["added"]
+        hooks = r["hooks"]  # it sees the DTensor parameters, before the local-shard swap
+        assert hooks.index("check_replaced_params") < hooks.index("_to_local")

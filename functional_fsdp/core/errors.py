@@ -24,6 +24,7 @@ __all__ = [
     "MeshError",
     "MissingDependencyError",
     "PolicyError",
+    "ReplacedParameterError",
     "ReproducibilityError",
     "ScalarParameterError",
     "StateError",
@@ -139,6 +140,12 @@ class IncompatibleMeshError(MeshError):
 class TiedPlacementError(TiedParameterError):
     """Two parameters share storage (tied weights) but carry different tensor-parallel
     placements: sharding them would silently untie them."""
+
+
+class ReplacedParameterError(FSDPError, RuntimeError):
+    """An optimizer steps parameters that ``fully_shard`` replaced (it was built before
+    ``fully_shard``): it would update tensors the model no longer uses. Raised at its first
+    step, before anything is modified; the message names the parameters."""
 
 
 class DonatedStateError(StateError):

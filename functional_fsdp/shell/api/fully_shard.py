@@ -39,6 +39,7 @@ from ..parallel.tensor_parallel import (
     resolve_dp_mesh_dims,
     tp_spec,
 )
+from . import replaced
 from .codecs import adopt_codecs, plain_data
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
 from .state import FSDPState, hooks_for
@@ -199,8 +200,9 @@ def _attach(
 ) -> FSDPState:
     """Give each module its FSDP state, forward hooks, state-dict hooks and FSDP class, and
     the parameters of other groups it uses (``borrowed``, tied across groups); the first
-    module's state. The first call installs the optimizer's local-shard step (local_step.py)."""
-    local_step.install(check_no_partial_trees)
+    module's state. The first call installs the optimizer's step hooks: the check for
+    replaced parameters (replaced.py), then the local-shard step (local_step.py)."""
+    local_step.install(check_no_partial_trees, replaced.install())
     state = FSDPState(modules[0], group, mp, name)
     state.user_reshard_after_forward = reshard_after_forward
     for i, m in enumerate(modules):
@@ -434,6 +436,8 @@ def _build_group(
     adopt_codecs(group, templates, mesh, raf)
     for i, p in enumerate(params):  # a later fully_shard holding it borrows it (tied weights)
         setattr(p, _OWNER_ATTR, (name, group, i))
+    # An optimizer built before now holds these: its first step raises (replaced.py).
+    replaced.mark_replaced(((p, fqns[id(p)]) for p in params), name)
     return group
 
 
