@@ -16,6 +16,7 @@ from typing import Any
 
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
+from torch.distributed.tensor import DTensor
 
 from ...core.coalesce import CommunicationSchedule
 from ...core.compression import GradCompression
@@ -451,11 +452,29 @@ class FSDPModule(TorchFSDPModule):
         self.reshard()
         ret = super(TorchFSDPModule, self)._apply(*args, **kwargs)  # type: ignore[misc]
         g = self._ffsdp_state.group
-        if g is not None:
+        if g is not None and _members_agree(g):
             g.refresh_from_modules()
         for use in self._ffsdp_state.tied:  # a weight tied across groups: the owner's again
             use.to_sharded()
         return ret
+
+
+def _members_agree(group: ParamGroup) -> bool:
+    """Whether the parameters of every module of ``group`` are on one device now.
+
+    ``_apply`` (``to_empty``, ``to``, ``cuda``) reaches the modules of a list-form group
+    (``fully_shard([model.norm, model.output])``) one by one: after the first, the others'
+    parameters are still where they were, on the meta device after a meta init, where they
+    have no data to pack. FSDP2 re-adopts each parameter alone and skips those on meta; ours
+    packs the group into one buffer, so it waits until the last member has moved (the call
+    that sees them all on one device) and packs once.
+    """
+    devices = set()
+    for sp in group.sharded_params:
+        p = sp.registered()
+        if p is not None:
+            devices.add((p._local_tensor if isinstance(p, DTensor) else p).device)
+    return len(devices) <= 1
 
 
 def _check_fsdp_modules(modules: Iterable[Any]) -> None:
