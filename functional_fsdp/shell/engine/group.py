@@ -551,6 +551,15 @@ class ParamGroup(GroupGradients, GroupLending):
         full parameters are on the modules (this forward's outputs, else the buffer's views)."""
         self.wait_unshard()
         outputs = self._registered_outputs()
+        if outputs is None and torch.is_grad_enabled() and self._trains:
+            # The forward's outputs are gone: another forward and backward through this group
+            # ran between the checkpointed forward and its backward (and its end forgot them).
+            # The recompute must save what the forward saved, and an operator saves its
+            # operands by whether they require grad: stand-ins that do (the same values, their
+            # graph unused: the forward's own UnshardFn node takes the gradients).
+            outputs = tuple(
+                v.detach().requires_grad_(rg) for v, rg in zip(self.views, self._requires_grad)
+            )
         self.register_full(outputs if outputs is not None else self.views)
 
     def post_forward(self, *, force_reshard: bool = False, keep: bool = False) -> None:
