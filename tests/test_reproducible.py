@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import shared_mesh
+from torch.nn.utils import clip_grad_norm_ as _EARLY_TORCH_CLIP
 
 pytestmark = pytest.mark.multiprocess
 
@@ -388,3 +389,84 @@ def test_2d_at_a_fixed_tp_degree_gives_the_same_bits_on_one_and_two_dp_ranks(
     _all_equal(world4.run(_train_2d, 2), one)
     # Without the policy the same two runs differ (the test can fail).
     assert _differences(world4.run(_train_2d, 2, False)[0], world4.run(_train_2d, 1, False)[0])
+
+
+# ------------------------------------------------------------------ a policy on some groups only
+
+
+def _partial_policy() -> list[str]:
+    """The policy on the blocks only, or another policy on the root: refused at the root's
+    first forward, on every rank (before any collective), and again at the next forward."""
+    import torch.distributed as dist
+
+    from functional_fsdp import ReproducibilityError, ReproduciblePolicy, fully_shard
+    from functional_fsdp.testing.models import GPT
+
+    mesh, rank = _mesh(dist.get_world_size(), False)
+    x, y = _batch(0)
+    seen = []
+    for root_policy in (None, ReproduciblePolicy(virtual_world_size=8)):
+        torch.manual_seed(0)
+        model = GPT(_cfg())
+        for blk in model.blocks:
+            fully_shard(blk, mesh=mesh, reproducible=ReproduciblePolicy(virtual_world_size=V))
+        fully_shard(model, mesh=mesh, reproducible=root_policy)
+        for _ in range(2):
+            try:
+                model.loss(x[rank], y[rank])
+            except ReproducibilityError as e:
+                seen.append(str(e))
+    return seen
+
+
+def test_a_policy_on_some_groups_only_is_refused_at_the_first_forward(world4: Any) -> None:
+    for seen in world4.run(_partial_policy):
+        assert len(seen) == 4, seen
+        without, other = seen[0], seen[2]
+        assert seen[1] == without and seen[3] == other  # refused again, not half-initialised
+        for text in (without, other):
+            assert (
+                "with ReproduciblePolicy(virtual_world_size=4, seed=0): blocks.0, blocks.1" in text
+            )
+            assert "pass the same policy to every fully_shard call" in text
+        assert "without a ReproduciblePolicy: GPT (the root)" in without
+        assert "with ReproduciblePolicy(virtual_world_size=8, seed=0): GPT (the root)" in other
+
+
+def _torch_clip() -> list[str]:
+    """torch.nn.utils.clip_grad_norm_ over the policy's parameters warns (once per calling
+    line under the default filter, pointing at the caller), however it was imported; the
+    library's clip_grad_norm_ and torch's over a model without the policy do not."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from functional_fsdp import ReproducibilityWarning, ReproduciblePolicy, clip_grad_norm_
+
+    mesh, rank = _mesh(dist.get_world_size(), False)
+    x, y = _batch(0)
+    out = []
+    for policy in (ReproduciblePolicy(virtual_world_size=V), None):
+        model = _model(mesh, False, policy)
+        model.loss(x[rank], y[rank]).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            clip_grad_norm_(model.parameters(), 1.0)
+            for _ in range(2):  # one warning for this line
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            _EARLY_TORCH_CLIP(list(model.parameters()), 1.0)  # imported before any policy
+        for w in caught:
+            assert issubclass(w.category, ReproducibilityWarning), w
+            assert w.filename == __file__, w.filename  # the caller's line
+            out.append(str(w.message))
+        out.append("--")
+        model.zero_grad()
+    return out
+
+
+def test_torch_clip_grad_norm_over_the_policys_parameters_warns(world4: Any) -> None:
+    for seen in world4.run(_torch_clip):
+        assert len(seen) == 4 and seen[-1] == "--" and seen[2] == "--", seen
+        for text in seen[:2]:
+            assert "torch.nn.utils.clip_grad_norm_ was given parameters of groups" in text
+            assert "Use functional_fsdp.clip_grad_norm_(parameters, max_norm)" in text

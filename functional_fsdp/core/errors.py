@@ -26,6 +26,7 @@ __all__ = [
     "PolicyError",
     "ReplacedParameterError",
     "ReproducibilityError",
+    "ReproducibilityWarning",
     "ScalarParameterError",
     "StateError",
     "TiedParameterError",
@@ -253,6 +254,14 @@ class ReproducibilityError(FSDPError, ValueError):
     virtual world size that is not a power of two, a data-parallel world size that does not
     divide it, a step that ran a different number of micro-batches than ``V / N``, or a
     feature whose sums the policy cannot order (e.g. compressed reduction)."""
+
+
+class ReproducibilityWarning(UserWarning):
+    """Something that runs, but not bit-identically across world sizes, under a
+    :class:`~functional_fsdp.core.reproducible.ReproduciblePolicy`: e.g.
+    ``torch.nn.utils.clip_grad_norm_`` over the policy's parameters (use
+    ``functional_fsdp.clip_grad_norm_``). ``warnings.simplefilter("error",
+    ReproducibilityWarning)`` turns it into an error."""
 
 
 class UnrecoverableLossError(StateError):

@@ -43,6 +43,7 @@ from . import replaced
 from .codecs import adopt_codecs, plain_data
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
 from .state import FSDPState, hooks_for
+from .torch_clip import watch as watch_torch_clip
 
 __all__ = ["FSDPModule", "UnshardHandle", "fully_shard", "register_fsdp_forward_method"]
 
@@ -438,6 +439,8 @@ def _build_group(
         setattr(p, _OWNER_ATTR, (name, group, i))
     # An optimizer built before now holds these: its first step raises (replaced.py).
     replaced.mark_replaced(((p, fqns[id(p)]) for p in params), name)
+    if config.reproducible is not None:  # torch's clip_grad_norm_ over its parameters warns
+        watch_torch_clip(group)
     return group
 
 

@@ -14,7 +14,7 @@ import torch.utils._pytree as pytree
 from torch.autograd import Variable
 
 from ...core.coalesce import CommunicationSchedule
-from ...core.errors import PolicyError, StateError, TiedParameterError
+from ...core.errors import PolicyError, ReproducibilityError, StateError, TiedParameterError
 from ...core.records import MixedPrecisionPolicy
 from ..comm.scoped import introduce, resync
 from ..device.runtime import DeviceRuntime
@@ -128,6 +128,7 @@ class FSDPState:
                     "materialized from meta device before the first forward; call "
                     "model.to_empty(device=...) and initialise them, or load a state dict"
                 )
+        _check_one_reproducible_policy(self, states)
         seen: dict[int, str] = {}
         seen_groups: set[int] = set()
         for s in states:
@@ -471,6 +472,43 @@ def _groups(states: Sequence[buckets.Scheduled]) -> list[ParamGroup]:
     other groups their modules use (tied across groups)."""
     out = [s.group for s in states if s.group is not None]
     return out + [u.owner for s in states for u in s.tied if all(u.owner is not o for o in out)]
+
+
+def _check_one_reproducible_policy(root: FSDPState, states: list[FSDPState]) -> None:
+    """Every group under ``root`` reduces under the same ``ReproduciblePolicy``, or none does.
+
+    A group without the policy (or with another one) sums its gradients in an order set by the
+    world size, so a run with the policy on some groups only is silently not reproducible
+    (measured: the blocks under the policy and the root without it gave a step-2 gradient norm
+    that differs in the last bit between 2 ranks and 1 or 4). Checked at the root's first
+    forward, before any state is marked as initialised and before any collective, so it is
+    raised on every rank alike and again at the next forward.
+
+    Raises:
+        ReproducibilityError: naming the groups with each policy and the groups without one.
+    """
+    paths = {id(m): p for p, m in root.module.named_modules()}
+    by_policy: dict[Any, list[str]] = {}
+    seen: set[int] = set()
+    for s in states:
+        if s.group is None or id(s.group) in seen:
+            continue
+        seen.add(id(s.group))
+        label = paths.get(id(s.module)) or f"{s.name} (the root)"
+        by_policy.setdefault(s.group.config.reproducible, []).append(label)
+    if len(by_policy) <= 1:
+        return
+    parts = [
+        f"{'without a ReproduciblePolicy' if p is None else f'with {p!r}'}: {', '.join(labels)}"
+        for p, labels in by_policy.items()
+    ]
+    raise ReproducibilityError(
+        f"the groups under the root {root.name!r} do not reduce under one ReproduciblePolicy "
+        f"({'; '.join(parts)}). A group without the policy, or with another one, sums its "
+        "gradients in an order that depends on the world size, so the run would silently not be "
+        "reproducible; pass the same policy to every fully_shard call of the model (each block "
+        "and the root: fully_shard(module, reproducible=policy)), or to none"
+    )
 
 
 def _check_tied_under_root(root: FSDPState, states: list[FSDPState]) -> None:
