@@ -152,3 +152,18 @@ def test_api_md_lists_every_field_of_rebuilt() -> None:
     assert listed is not None
     names = set(re.findall(r"`(\w+)`", listed.group(1)))
     assert names == {f.name for f in attrs.fields(Rebuilt)} | {"spare"}
+
+
+def test_the_recovery_docs_name_the_store_prefixes_the_code_uses() -> None:
+    """The launcher's first world is epoch 0 of the scheme the rebuilt worlds use."""
+    import inspect
+
+    from functional_fsdp.shell import launch
+    from functional_fsdp.shell.recovery import rebuild
+
+    assert launch._EPOCH0 == "ffsdp-epoch0/"
+    assert 'f"ffsdp-epoch{epoch}/"' in inspect.getsource(rebuild)
+    for name in ("recovery.md", "design.md"):
+        text = (DOCS / name).read_text()
+        assert "`ffsdp-epoch0/`" in text and "ffsdp-epoch<k>/" in text, name
+        assert "`epoch0/`" not in text, name

@@ -19,13 +19,15 @@ import torch.distributed as dist
 __all__ = ["launcher_store", "run_local"]
 
 _STORE: Any = None  # this rank's client of the launcher's store (survivable runs)
+# The first world's store prefix: rebuild_on_survivors' world of epoch k uses "ffsdp-epoch<k>/".
+_EPOCH0 = "ffsdp-epoch0/"
 
 
 def launcher_store() -> Any:
     """The store the launcher hosts (in the parent process, so it outlives every rank), as
     :func:`~functional_fsdp.rebuild_on_survivors` needs; only in a rank of
     ``run_local(..., survivable=True)``. The default process group uses it under the prefix
-    ``epoch0/``."""
+    ``ffsdp-epoch0/``; the world of recovery epoch ``k`` uses ``ffsdp-epoch<k>/``."""
     if _STORE is None:
         raise RuntimeError(
             "launcher_store(): this process is not a rank of run_local(..., survivable=True)"
@@ -186,7 +188,7 @@ def _rank_main(
             _STORE = dist.TCPStore("127.0.0.1", port, None, False, timeout=timeout)
             dist.init_process_group(
                 "gloo",
-                store=dist.PrefixStore("epoch0/", _STORE),
+                store=dist.PrefixStore(_EPOCH0, _STORE),
                 rank=rank,
                 world_size=world_size,
                 timeout=timeout,
