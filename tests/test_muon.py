@@ -134,6 +134,25 @@ def _train_mlp(make_opt: Any, steps: int = 2) -> tuple[float, float]:
     return diff, update
 
 
+def _step0_state_dict_case() -> bool:
+    """``get_state_dict`` on a fresh Muon (sharded matrices, biases and a norm on AdamW) leaves
+    every parameter bit for bit as it was, and the state it built has AdamW's and Muon's keys."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from functional_fsdp import fully_shard
+    from functional_fsdp.optim import Muon
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.LayerNorm(48), nn.Linear(48, 32))
+    fully_shard(model)
+    before = [_full(p).clone() for p in model.parameters()]
+    opt = Muon(model.parameters(), lr=0.02, weight_decay=0.1, adamw_weight_decay=0.1)
+    _, osd = get_state_dict(model, opt)
+    unchanged = all(torch.equal(a, _full(b)) for a, b in zip(before, model.parameters()))
+    keys = {k: sorted(v) for k, v in osd["state"].items()}
+    return unchanged and keys["0.weight"] == ["momentum_buffer"] and "exp_avg" in keys["1.bias"]
+
+
 def _torch_muon_refused() -> tuple[bool, bool]:
     from functional_fsdp import fully_shard
 
@@ -432,6 +451,7 @@ def _case_all(world_size: int) -> dict[str, Any]:
     ours = _train_mlp(lambda ps: Muon(ps, lr=0.02))
     res["e2e_rel"] = ours[0] / ours[1]
     res["refused"] = _torch_muon_refused()
+    res["step0_state_dict"] = _step0_state_dict_case()
     res["stats"] = _exchange_stats()
     res["functional"] = _functional_case()
     return res
@@ -452,6 +472,7 @@ def _check(results: list[dict[str, Any]], world_size: int) -> None:
     for name, rel in r["functional"].items():
         assert rel <= E2E_TOL, (name, rel)
     assert r["refused"] == (True, True)
+    assert all(x["step0_state_dict"] for x in results)
     # At most twice the Muon matrices' gradient bytes (fp32); bf16 on the wire: below 1x.
     grad_bytes = sum(a * b for a, b in SHAPES) * 4
     assert r["stats"]["sent"] <= grad_bytes, (r["stats"]["sent"], grad_bytes)
@@ -498,6 +519,30 @@ def test_functional_world1_equals_torch() -> None:
         params, state = opt.update(grads, state, params)
     for (n, _), a in zip(ours.named_parameters(), ref.parameters()):
         assert torch.equal(params[n], a), n
+
+
+def test_step0_state_dict_leaves_the_model_untouched() -> None:
+    """torch's state-dict initialisation of a fresh optimizer (``get_state_dict``) steps it on
+    zero gradients with every ``lr`` set to 0 but knows nothing of ``adamw_lr``: the AdamW
+    parameters must not move by its weight decay. A real first step with ``lr`` 0 and nonzero
+    gradients still steps AdamW at ``adamw_lr``."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from functional_fsdp.optim import Muon
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 6), nn.LayerNorm(6))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = Muon(model.parameters(), lr=0.02, adamw_weight_decay=0.1)
+    _, osd = get_state_dict(model, opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert osd["state"]["1.weight"]["step"] == 1 and opt.param_groups[0]["lr"] == 0.02
+
+    warm = Muon(model.parameters(), lr=0.0, adamw_lr=0.1)  # a warm-up starting at lr 0
+    model(torch.ones(2, 8)).sum().backward()
+    warm.step()
+    after = list(model.parameters())
+    assert torch.equal(after[0], before[0]) and not torch.equal(after[1], before[1])
 
 
 def test_adamw_routing_equals_torch_adamw() -> None:

@@ -260,6 +260,7 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        frozen = self._initialising_state()
         matrices: list[tuple[dict[str, Any], torch.Tensor]] = []
         for group in self.param_groups:
             others: list[torch.Tensor] = []
@@ -270,12 +271,28 @@ class Muon(torch.optim.Optimizer):
                     raise RuntimeError("Muon does not support sparse gradients")
                 (matrices if self._is_muon(group, p) else others).append((group, p))  # type: ignore[arg-type]
             if others:
-                self._adamw(group, [p for _, p in others])
+                self._adamw(group, [p for _, p in others], 0.0 if frozen else group["adamw_lr"])
         if matrices:
             self._muon(matrices)
         return loss
 
-    def _adamw(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+    def _initialising_state(self) -> bool:
+        """Whether this step only initialises the state: no state yet, every group's ``lr`` 0
+        and every gradient zero. That is how ``torch.distributed.checkpoint``'s
+        ``get_state_dict`` / ``set_state_dict`` build a fresh optimizer's state (they zero
+        ``lr``, which they know, and step on zero gradients); the AdamW part then steps with
+        learning rate 0 too, so its weight decay leaves the parameters untouched, as torch's
+        own optimizers do. (A real step like it moves only by that one weight decay.)"""
+        if self.state or any(g["lr"] != 0 for g in self.param_groups):
+            return False
+        return all(
+            not bool(_local(p.grad).any())
+            for g in self.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        )
+
+    def _adamw(self, group: dict[str, Any], params: list[torch.Tensor], lr: float) -> None:
         exp_avgs, exp_avg_sqs, steps = [], [], []
         for p in params:
             state = self.state[p]
@@ -300,7 +317,7 @@ class Muon(torch.optim.Optimizer):
             amsgrad=False,
             beta1=beta1,
             beta2=beta2,
-            lr=group["adamw_lr"],
+            lr=lr,
             weight_decay=group["adamw_weight_decay"],
             eps=group["adamw_eps"],
             maximize=False,
