@@ -104,6 +104,28 @@ def test_shard_dim_one(ws: int, rows: int, data: st.DataObject) -> None:
         assert_bit_equal(out.tree()["b"], tree["b"])
 
 
+def test_shard_dims_tree_must_name_every_leaf_and_nothing_else() -> None:
+    """``shard_dims`` as a pytree is matched to the tree by key: a missing or unknown key is
+    named (it never shifts the next leaves' dims), and a value that is not an int is refused."""
+    tree = {"a": torch.randn(4, 2), "b": torch.randn(4, 2), "c": torch.randn(2, 4)}
+
+    def refused(dims: Any) -> str:
+        with pytest.raises(LayoutMismatchError) as e:
+            shard(tree, world_size=2, rank=0, shard_dims=dims)
+        return str(e.value)
+
+    msg = refused({"a": 0, "b": 0})
+    assert "shard_dims has no entry for 'c'" in msg and "['a', 'b', 'c']" in msg, msg
+    msg = refused({"a": 0, "b": 0, "c": 1, "d": 0})
+    assert "shard_dims has entries the tree lacks: 'd'" in msg, msg
+    # a misspelt key: before, "c" silently took "x"'s dim and "b" took "c"'s
+    msg = refused({"a": 0, "c": 1, "x": 0})
+    assert "no entry for 'b'" in msg and "entries the tree lacks: 'x'" in msg, msg
+    assert "not an int" in refused({"a": 0, "b": 0, "c": 1.5})
+    s = shard(tree, world_size=2, rank=0, shard_dims={"a": 0, "b": 1, "c": 1})
+    assert s.layout.shard_dims == (0, 1, 1)
+
+
 def test_spec_example_shards() -> None:
     full = torch.arange(15.0).view(5, 3)
     states = shard_all({"w": full}, 4)

@@ -20,6 +20,7 @@ State diagram (per group)::
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -112,7 +113,8 @@ def shard(
         world_size: ranks in the shard group.
         rank: which rank's shard to build.
         shard_dims: ``int`` for every leaf, a function ``(fqn, tensor) -> int``, or a pytree of
-            ints matching ``tree``.
+            ints matching ``tree`` (one per leaf, under the same keys; a missing or unknown key
+            raises :class:`~.errors.LayoutMismatchError` naming it).
         param_dtype: all-gather / compute dtype for floating-point leaves (mixed precision).
         reduce_dtype: gradient reduction dtype.
 
@@ -132,7 +134,7 @@ def shard(
     elif isinstance(shard_dims, int):
         dims = [shard_dims] * len(leaves)
     else:
-        dims = [int(d) for d in optree.tree_leaves(shard_dims)]
+        dims = _dims_by_path(shard_dims, fqns)
     for f, t in zip(fqns, leaves):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"shard: leaf {f!r} is a {type(t).__name__}, not a torch.Tensor")
@@ -144,6 +146,35 @@ def shard(
         specs, world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype, treespec=spec
     )
     return shard_tensors(leaves, lay, rank)
+
+
+def _dims_by_path(shard_dims: Any, fqns: Sequence[str]) -> list[int]:
+    """``shard`` 's ``shard_dims`` given as a pytree: each leaf's dim, matched by its path (so a
+    missing or extra key is named, never silently shifts the dims of the leaves after it)."""
+    paths, values, _ = optree.tree_flatten_with_path(shard_dims)
+    given = {".".join(str(p) for p in path): d for path, d in zip(paths, values)}
+    missing = [f for f in fqns if f not in given]
+    unknown = [k for k in given if k not in set(fqns)]
+    if missing or unknown:
+        problems = []
+        if missing:
+            problems.append(f"has no entry for {', '.join(map(repr, missing))}")
+        if unknown:
+            problems.append(f"has entries the tree lacks: {', '.join(map(repr, unknown))}")
+        raise LayoutMismatchError(
+            f"shard: shard_dims {' and '.join(problems)}; the tree's leaves are "
+            f"{list(fqns)}. Give shard_dims the tree's structure (one int per leaf, under the "
+            "same keys), or one int for every leaf, or a function (fqn, tensor) -> int"
+        )
+    dims = []
+    for f in fqns:
+        try:
+            dims.append(operator.index(given[f]))
+        except TypeError:
+            raise LayoutMismatchError(
+                f"shard: shard_dims[{f!r}] is {given[f]!r}, not an int (the dim to shard)"
+            ) from None
+    return dims
 
 
 def shard_tensors(tensors: Sequence[torch.Tensor], layout: GroupLayout, rank: int) -> ShardedState:
