@@ -14,6 +14,7 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor
@@ -24,10 +25,17 @@ from ...core.errors import PolicyError, StateError, UnsupportedError
 from ..comm.custom import CustomCollectiveComm, check_custom_comm
 from ..engine.group import ParamGroup
 from .deepcopy import deepcopy_fsdp_module
+from .finalization import (
+    GradientReductionHandle,
+    finalization_of,
+    finalize,
+    register_torch_state,
+)
 from .state import FSDPState, register_fsdp_forward_method
 
 __all__ = [
     "FSDPModule",
+    "GradientReductionHandle",
     "UnshardHandle",
     "register_fsdp_forward_method",
     "share_comm_ctx",
@@ -36,12 +44,15 @@ __all__ = [
 
 
 def swap_class(module: nn.Module) -> None:
-    """Make ``module``'s class ``FSDP<Class>``, a subclass of :class:`FSDPModule` and its class."""
+    """Make ``module``'s class ``FSDP<Class>``, a subclass of :class:`FSDPModule` and its class,
+    and give it the state torch's own ``fully_shard.state(module)`` looks up
+    (:func:`~.finalization.register_torch_state`)."""
     cls = module.__class__
     if isinstance(module, FSDPModule):
         return
     new_cls: type = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
     module.__class__ = new_cls
+    register_torch_state(module)  # torch's pipelining reads fully_shard.state(module)
 
 
 class UnshardHandle:
@@ -113,8 +124,13 @@ class FSDPModule(TorchFSDPModule):
         return deepcopy_fsdp_module(self, memo)  # type: ignore[arg-type]
 
     def reset_iter_state(self) -> None:
-        """Reset training state after an exception mid-iteration (nothing is corrupted)."""
+        """Reset training state after an exception mid-iteration (nothing is corrupted).
+
+        A pending :meth:`finalize_backward` handle is invalidated (its ``wait()`` raises)."""
         self._ffsdp_state.reset()
+        fin = finalization_of(self)  # type: ignore[arg-type]
+        fin.epoch += 1
+        fin.pending = None
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last of the iteration (root only; FSDP2's meaning).
@@ -122,9 +138,74 @@ class FSDPModule(TorchFSDPModule):
         With ``False`` (gradient accumulation, not the last micro-batch) the end of backward
         leaves each group's gradient reduction in flight, overlapping the next micro-batch's
         forward; it lands in ``.grad`` when the group reduces again or when a backward with
-        ``True`` (the default) ends. Read ``.grad`` only after that last backward.
+        ``True`` (the default) ends. Read ``.grad`` only after that last backward. Manual
+        finalization (:meth:`set_manual_backward_finalization`) supersedes it while on.
         """
+        fin = finalization_of(self)  # type: ignore[arg-type]
+        if fin.manual:
+            fin.last_backward = is_last_backward
+            return
         self._ffsdp_state.is_last_backward = is_last_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """FSDP2 2.15's: whether the caller finishes backward with :meth:`finalize_backward`.
+
+        While on, the end of a backward leaves the gradient reductions in flight and keeps
+        what ``set_reshard_after_backward(False)`` keeps, whatever
+        :meth:`set_is_last_backward` says; :meth:`finalize_backward`, after the last backward
+        of the step, reduces what was accumulated without sync, reshards and lands every
+        reduction in ``.grad``. Pipeline schedules use it (torch 2.15's stage turns it on
+        before each forward and off after the gradient reduction). Call it on the root.
+
+        Raises:
+            StateError: not the root (after the first forward showed which module is), or a
+                change of mode during a backward (a ``RuntimeError``, as FSDP2's).
+        """
+        state = self._ffsdp_state
+        if state.root is not None and state.root is not state:
+            raise StateError(
+                f"set_manual_backward_finalization must be called on the root FSDP module "
+                f"({state.root.name!r}), not on {state.name!r}"
+            )
+        fin = finalization_of(self)  # type: ignore[arg-type]
+        enabled = bool(enabled)
+        if enabled == fin.manual:
+            return
+        if torch._C._current_graph_task_id() != -1:
+            raise StateError("set_manual_backward_finalization cannot change mode during backward")
+        if enabled:
+            fin.last_backward = state.is_last_backward
+            state.is_last_backward = False  # a backward's end finishes nothing
+        else:
+            state.is_last_backward = fin.last_backward
+        fin.manual = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """FSDP2 2.15's: finish the backward iteration on the calling thread (manual mode).
+
+        Reduces the gradients the backwards accumulated without sync (call
+        ``set_requires_gradient_sync(True)`` first), reshards the groups with
+        ``reshard_after_backward``, and lands every reduction in ``.grad``. A no-op before the
+        root's first forward.
+
+        Args:
+            async_op: ``True`` returns a :class:`GradientReductionHandle` with the reductions
+                in flight; call its ``wait()`` before reading gradients or the next forward.
+
+        Raises:
+            StateError: a previous handle was not waited for, not the root, manual
+                finalization is off, or a backward is still running (``RuntimeError`` s, as
+                FSDP2's).
+        """
+        return finalize(self, async_op=async_op)  # type: ignore[arg-type]
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """FSDP2 2.15's: keep the unsharded parameters' storage across reshard and unshard
+        (stable data pointers, for CUDA graph capture). Accepted; no effect here: the engine
+        gathers into buffers from its runtime's free list and does not capture CUDA graphs, so
+        the unsharded storage is released at reshard as by default."""
+        for g in _groups(self, recurse):  # type: ignore[arg-type]
+            g.configure(keep_unsharded_storage=bool(keep))
 
     def set_requires_gradient_sync(
         self, requires_gradient_sync: bool, *, recurse: bool = True

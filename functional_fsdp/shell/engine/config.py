@@ -46,6 +46,8 @@ class GroupConfig:
         allocate_from_process_group: FSDP2's allocation hint; accepted, no effect here.
         reduce_scatter_max_input_buffers: FSDP2's knob; accepted, no effect here.
         separate_reduce_scatter_group: FSDP2's knob; accepted, no effect here.
+        keep_unsharded_storage: FSDP2 2.15's knob (``set_keep_unsharded_storage``); accepted,
+            no effect here.
         grad_compression: beyond FSDP2: the compressed reduce-scatter, or ``None`` for the exact
             one (``set_gradient_compression``; its residual lives in the group's record).
         reproducible: beyond FSDP2: the :class:`ReproduciblePolicy` its gradients are reduced
@@ -64,6 +66,7 @@ class GroupConfig:
     allocate_from_process_group: bool = False
     reduce_scatter_max_input_buffers: int = 1
     separate_reduce_scatter_group: bool = False
+    keep_unsharded_storage: bool = False
     grad_compression: GradCompression | None = None
     reproducible: ReproduciblePolicy | None = None
 
