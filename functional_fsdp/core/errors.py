@@ -10,6 +10,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "PeerAbortedError",
+    "PeerLeftError",
     "CheckpointIntegrityError",
     "CheckpointPathError",
     "DonatedStateError",
@@ -230,6 +231,13 @@ class CollectiveTimeoutError(CollectiveError, TimeoutError):
 
 class PeerAbortedError(CollectiveError):
     """Another rank abandoned the current collectives (it failed, or called ``reset_iter_state``)."""
+
+
+class PeerLeftError(CollectiveError):
+    """A peer can never post the collective this rank waits for: its program ended, or it has
+    issued no collective for the grace period (``FFSDP_PEER_IDLE_GRACE``) while blocked in a
+    ``torch.distributed`` call outside functional_fsdp (it left the training loop). Raised by
+    the watchdog on the waiting ranks; the message says where each rank is."""
 
 
 class CollectiveMismatchError(CollectiveTimeoutError):

@@ -372,6 +372,12 @@ class _Peers:
             # this rank's coordinates on the other (replicated) dims.
             self.ranks = list(_global_ranks(lay))
 
+    def global_ranks(self) -> list[int]:
+        """Every rank of the matrix, as global ranks (what the watchdog reads)."""
+        if self.group is None:
+            return list(self.ranks)
+        return [dist.get_global_rank(self.group, r) for r in self.ranks]
+
     def isend(self, t: torch.Tensor, to: int, tag: int) -> Any:
         return dist.isend(t, group=self.group, group_dst=self.ranks[to], tag=tag)
 
@@ -496,8 +502,7 @@ def map_whole_matrices(
             if p.result_recv is not None:
                 result_recvs.append(p.result_recv)
             continue
-        for work in p.recvs:
-            work.wait()
+        _wait(p.recvs, f"the pieces of matrix {i} (its owner's gather)", p.peers)
         full, p.full = p.full, None
         for buf, rect in p.blocks:
             _view(full, rect).copy_(buf)
@@ -514,12 +519,34 @@ def map_whole_matrices(
                 sends.append(p.peers.isend(part, r, 2 * i + 1))
                 stats.bytes_sent += part.numel() * part.element_size()
         results[i] = _view(out, pieces[me]).clone()
-    for work in result_recvs:
-        work.wait()
-    for work in sends:
-        work.wait()
+    everyone = sorted({r for lay in layouts if lay.sharded for r in _Peers(lay).global_ranks()})
+    _wait(result_recvs, "the results of the matrices other ranks own", everyone)
+    _wait(sends, "the sends of this rank's pieces and results", everyone)
     assert all(r is not None for r in results)
     return [r for r in results if r is not None], stats
+
+
+def _wait(works: list, what: str, peers: _Peers | list[int]) -> None:
+    """Wait for the exchange's messages behind the package's watchdog (a rank that skipped
+    the optimizer step, or left, is named within seconds instead of a hang)."""
+    if not works:
+        return
+    # (Imported here: the functional optimizers use this module and load no shell.)
+    from ..shell.comm.watchdog import watched_wait
+
+    ranks = peers.global_ranks() if isinstance(peers, _Peers) else peers
+    _ABANDONED[:] = _ABANDONED[-16:]  # keep the latest given-up waits' buffers referenced
+    watched_wait(
+        works,
+        f"the whole-matrix exchange ({what})",
+        ranks,
+        family="whole-matrix exchange",
+        on_abandon=_ABANDONED.append,
+    )
+
+
+# Works of given-up waits (with their buffers): a late message must never land in freed memory.
+_ABANDONED: list[list] = []
 
 
 def _checked(out: torch.Tensor, lay: MatrixLayout, i: int) -> torch.Tensor:

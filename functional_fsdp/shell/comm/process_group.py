@@ -29,6 +29,7 @@ from ...core.errors import (
     CollectiveTimeoutError,
     PeerAbortedError,
 )
+from . import watchdog
 from .schedule import ALL_REDUCE, OPS, Position, reap, thread_waiter
 
 __all__ = ["ProcessGroupComm"]
@@ -135,6 +136,8 @@ class ProcessGroupComm:
         self._uid = self._next_id("comms") if self._world_size > 1 else 0
         self._aborts_seen = self._aborts() if self._world_size > 1 else 0
         LIVE.add(self)
+        if self._world_size > 1 and backend != "nccl":
+            watchdog.start()  # what this rank does, for peers that wait for it
 
     @property
     def supports_pieces(self) -> bool:
@@ -193,7 +196,11 @@ class ProcessGroupComm:
         seq = self._calls
         self._calls += 1
         self._history[seq % _RING] = (seq, key, kind, name)
+        watchdog.activity.note_issued((self._describe_issued, seq))
         return seq
+
+    def _describe_issued(self, seq: int) -> str:
+        return self._what(seq, None)
 
     def _tags(self, seq: int, count: int, key: int = 0, kind: int = 0) -> int:
         """Base tag of collective ``seq``: ``epoch (2 bits) | fingerprint (9) | seq (8) | piece (12)``."""
@@ -241,8 +248,12 @@ class ProcessGroupComm:
         start = time.monotonic()
         deadline = start + self.timeout_s
         check_at = start + self.grace_s if seq is not None and self._world_size > 1 else math.inf
+        peers_at = start + min(self.grace_s, watchdog.idle_grace_s())
+        if self._world_size == 1:
+            peers_at = math.inf
         published: str | None = None
         record: dict[str, Any] = {}
+        watchdog.activity.begin_wait(lambda: self._what(seq, what), "fsdp")
         try:
             while not done.wait(0.1):
                 aborted = self._peer_aborted()
@@ -269,6 +280,9 @@ class ProcessGroupComm:
                         self._post_abort(message)
                         raise CollectiveMismatchError(message)
                     check_at = now + 0.5
+                if now >= peers_at:
+                    self._check_peers(works, now - start, seq, what)
+                    peers_at = now + 0.5
                 if now > deadline:
                     self._abandon(works)
                     self._post_abort()
@@ -283,6 +297,7 @@ class ProcessGroupComm:
                         "sets the limit in seconds)"
                     )
         finally:
+            watchdog.activity.end_wait()
             self._waited_s += time.monotonic() - start
             if published is not None:
                 self._get_store().set(published, "")  # no longer waiting there
@@ -291,6 +306,16 @@ class ProcessGroupComm:
                 f"{self._what(seq, what)} failed on rank {self._rank}: {box[0]}; a peer process "
                 "probably died or closed the connection (see its log)"
             ) from box[0]
+
+    def _check_peers(self, works: list, waited_s: float, seq: int | None, what: str | None) -> None:
+        """Raise (telling the peers) when the watchdog's records show a peer that can never
+        post what this rank waits for: it left, its program ended, or it waits in a wait of
+        another kind (:func:`.watchdog.peer_trouble`)."""
+        trouble = watchdog.peer_trouble(self._global_ranks, "fsdp", waited_s, self._what(seq, what))
+        if trouble is not None:
+            self._abandon(works)
+            self._post_abort(str(trouble))
+            raise trouble
 
     # ------------------------------------------------------------------ positions
 

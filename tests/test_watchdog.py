@@ -1,0 +1,186 @@
+"""The watchdog: a rank waiting for a peer that left, or that runs other collectives, raises a
+named error within seconds; a peer that only takes long (a slow data loader) is waited for.
+
+On 2 gloo ranks, with the grace period (``FFSDP_PEER_IDLE_GRACE``) at 2 s so the cases stay
+short; every detection must come within 10 s of the wait's start.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import World
+from torch import nn
+
+pytestmark = pytest.mark.multiprocess
+
+GRACE_S = 2.0
+LIMIT_S = 10.0
+
+
+def _model() -> nn.Module:
+    from functional_fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 2))
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    return model
+
+
+def _micro_batch(model: nn.Module, k: int) -> None:
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(k))
+    model(x).pow(2).mean().backward()
+
+
+def case_peer_left_the_loop() -> dict[str, Any]:
+    """Rank 0 runs 2 micro-batches and waits in a barrier (the end of its script); rank 1
+    runs 3: its third forward waits for rank 0."""
+    from functional_fsdp import PeerLeftError
+
+    os.environ["FFSDP_PEER_IDLE_GRACE"] = str(GRACE_S)
+    model = _model()
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for k in range(2):
+        _micro_batch(model, k)
+    if rank == 0:
+        dist.barrier()  # left the loop
+    else:
+        start = time.monotonic()
+        try:
+            _micro_batch(model, 2)
+            out["error"] = None
+        except PeerLeftError as e:
+            out["error"] = str(e)
+        out["after_s"] = time.monotonic() - start
+        dist.barrier()  # meets rank 0's, so both can reset
+    model.reset_iter_state()
+    _micro_batch(model, 3)  # the ranks go on together
+    return out
+
+
+def test_a_rank_that_left_the_loop_is_named_within_seconds(world2: World) -> None:
+    _, waiting = world2.run(case_peer_left_the_loop)
+    assert waiting["error"] is not None, waiting
+    assert waiting["after_s"] < LIMIT_S, waiting
+    text = waiting["error"]
+    assert "rank 0 has issued no collective" in text
+    assert "torch.distributed barrier" in text and "outside functional_fsdp" in text
+    assert "left the training loop" in text
+
+
+def case_slow_data_loader() -> list[float]:
+    """Rank 0 takes twice the grace period loading its next batch: rank 1 waits, no error,
+    and the step gives the numbers of a step without the delay."""
+    os.environ["FFSDP_PEER_IDLE_GRACE"] = str(GRACE_S)
+    model = _model()
+    _micro_batch(model, 0)
+    if dist.get_rank() == 0:
+        time.sleep(2 * GRACE_S + 1)
+    _micro_batch(model, 1)
+    return [float(p.grad.full_tensor().norm()) for p in model.parameters()]
+
+
+def case_no_delay() -> list[float]:
+    model = _model()
+    _micro_batch(model, 0)
+    _micro_batch(model, 1)
+    return [float(p.grad.full_tensor().norm()) for p in model.parameters()]
+
+
+def test_a_slow_peer_is_waited_for(world2: World) -> None:
+    slow = world2.run(case_slow_data_loader)
+    assert slow[0] == slow[1] == world2.run(case_no_delay)[0]
+
+
+def case_optimizer_step_skipped_on_one_rank() -> dict[str, Any]:
+    """Rank 0 skips ``Muon.step()`` (a local NaN guard) and runs the next forward; rank 1
+    steps: each waits for something the other never posts."""
+    from functional_fsdp import CollectiveError
+    from functional_fsdp.optim import Muon
+
+    os.environ["FFSDP_PEER_IDLE_GRACE"] = str(GRACE_S)
+    model = _model()
+    opt = Muon(model.parameters(), lr=0.02)
+    _micro_batch(model, 0)
+    start = time.monotonic()
+    out: dict[str, Any] = {"error": None}
+    try:
+        if dist.get_rank() == 1:
+            opt.step()
+        _micro_batch(model, 1)
+    except CollectiveError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["after_s"] = time.monotonic() - start
+    return out
+
+
+def test_an_optimizer_step_skipped_on_one_rank_is_named_on_both() -> None:
+    from functional_fsdp import run_local
+
+    # Ranks of their own: the abandoned exchange leaves messages that no reset completes.
+    results = run_local(case_optimizer_step_skipped_on_one_rank, 2, timeout_s=120)
+    for rank, res in enumerate(results):
+        assert res["error"] is not None, (rank, res)
+        assert res["after_s"] < LIMIT_S, (rank, res)
+        assert "whole-matrix exchange" in res["error"], (rank, res)
+        assert res["error"].startswith("CollectiveMismatchError"), (rank, res)
+
+
+def test_every_wait_in_the_package_goes_through_the_watchdog() -> None:
+    """A plain ``Work.wait()`` on a torch.distributed work outside the watchdog's waits would
+    hang where a peer left: only the bounded waits may call it (the waiter thread, the
+    communicators' already-complete fast path and NCCL's stream waits), and the listed few
+    with their reasons. (Found by the names the package gives works: ``work``, ``w``.)"""
+    import ast
+    import pathlib
+
+    import functional_fsdp
+
+    root = pathlib.Path(functional_fsdp.__file__).parent
+    allowed = {
+        # the waiter thread, and waits on works already complete or on NCCL streams
+        ("shell/comm/schedule.py", "_run"),
+        ("shell/comm/process_group.py", "wait_works"),
+        ("shell/comm/watchdog.py", "watched_wait"),
+        # a communicator's synchronous call waits on its own (watched) work object
+        ("shell/comm/process_group.py", "all_to_all"),
+        ("shell/comm/process_group.py", "all_gather_pieces"),
+        ("shell/comm/process_group.py", "reduce_scatter_pieces"),
+        ("shell/comm/process_group.py", "all_gather"),
+        ("shell/comm/process_group.py", "reduce_scatter"),
+        ("shell/comm/process_group.py", "all_reduce"),
+        # a custom collective's work, which waits through its base communicator
+        ("shell/comm/custom.py", "_finish"),
+        # the neighbour copies and the rebuild: the recovery's own heartbeats find a lost
+        # neighbour, and dropping its process group wakes these waits (docs/recovery.md)
+        ("shell/recovery/copies.py", "wait"),
+        ("shell/recovery/rebuild.py", "_wait_all"),
+    }
+    raw = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if (
+                    isinstance(node, ast.Call)
+                    and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "wait"
+                    and not node.args
+                    and not node.keywords  # wait(timeout=...) is bounded by itself
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id in {"work", "w", "works"}
+                    and (rel, fn.name) not in allowed
+                ):
+                    raw.append(f"{rel}:{node.lineno} in {fn.name}")
+    assert not raw, raw
