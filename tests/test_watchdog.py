@@ -76,6 +76,36 @@ def test_a_rank_that_left_the_loop_is_named_within_seconds(world2: World) -> Non
     assert "left the training loop" in text
 
 
+def case_summon_on_one_rank() -> dict[str, Any]:
+    """Rank 0 enters ``summon_full_params``; rank 1 has moved on and waits in a barrier."""
+    from functional_fsdp import PeerLeftError, summon_full_params
+
+    os.environ["FFSDP_PEER_IDLE_GRACE"] = str(GRACE_S)
+    model = _model()
+    _micro_batch(model, 0)
+    out: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        start = time.monotonic()
+        try:
+            with summon_full_params(model):
+                pass
+            out["error"] = None
+        except PeerLeftError as e:
+            out["error"] = str(e)
+        out["after_s"] = time.monotonic() - start
+    dist.barrier()
+    model.reset_iter_state()
+    _micro_batch(model, 1)
+    return out
+
+
+def test_summon_entered_on_one_rank_is_named_within_seconds(world2: World) -> None:
+    waiting, _ = world2.run(case_summon_on_one_rank)
+    assert waiting["error"] is not None and waiting["after_s"] < LIMIT_S, waiting
+    assert "rank 1 has issued no collective" in waiting["error"], waiting
+    assert "summon_full_params" in waiting["error"], waiting
+
+
 def case_slow_data_loader() -> list[float]:
     """Rank 0 takes twice the grace period loading its next batch: rank 1 waits, no error,
     and the step gives the numbers of a step without the delay."""
