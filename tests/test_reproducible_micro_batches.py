@@ -86,3 +86,26 @@ def test_micro_batch_backwards_are_counted_where_the_docs_say(world2) -> None:
             "step 0: ok",
             "step 1: ok",
         ], seen
+
+
+def case_deep_copy_keeps_the_policy() -> list[str]:
+    """``copy.deepcopy`` of a model under the policy counts micro-batches as the original."""
+    import copy
+
+    from functional_fsdp import ReproducibilityError
+
+    model = copy.deepcopy(_model())
+    _backward(model, 0)
+    _backward(model, 1)
+    try:
+        _backward(model, 2)
+        seen = ["third backward: ok"]
+    except ReproducibilityError:
+        seen = ["third backward: refused"]
+    model.reset_iter_state()
+    return seen
+
+
+def test_a_deep_copy_keeps_the_policy(world2) -> None:
+    for seen in world2.run(case_deep_copy_keeps_the_policy):
+        assert seen == ["third backward: refused"], seen

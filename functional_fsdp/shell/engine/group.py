@@ -71,6 +71,7 @@ _COPIED_SETTINGS = (
     "divide_factor",
     "force_sum",
     "reduce_unused",
+    "reproducible",
 )
 
 
