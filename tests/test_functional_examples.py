@@ -35,6 +35,7 @@ COMMANDS = {
     ),
     "test_functional_train_example_runs": ("02_functional_train.py", "--steps", "8"),
     "test_int8_all_gather_example_runs": ("06_int8_all_gather.py", "--steps", "2"),
+    "test_use_as_fsdp2_example_runs": ("08_use_as_fsdp2.py",),
 }
 PARALLEL = 2
 
@@ -151,3 +152,10 @@ def test_reproducible_example_prints_equal_hashes(example: Callable[[], str]) ->
     with ReproduciblePolicy."""
     out = example()
     assert "with ReproduciblePolicy        equal on 1 and 2 ranks: True" in out, out
+
+
+def test_use_as_fsdp2_example_runs(example: Callable[[], str]) -> None:
+    """examples/08_use_as_fsdp2.py: a framework importing FSDP2 at call time shards with ours
+    under use_as_fsdp2() and trains with FSDP2's losses (the script asserts them)."""
+    out = example()
+    assert "under use_as_fsdp2(), FSDP2's losses" in out, out

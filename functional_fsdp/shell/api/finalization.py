@@ -41,6 +41,7 @@ __all__ = [
     "finalization_of",
     "register_torch_state",
     "settle",
+    "torch_state",
 ]
 
 # torch's own fully_shard, captured when this module loads (before any use_as_fsdp2 swap):
@@ -247,3 +248,12 @@ def register_torch_state(module: nn.Module) -> None:
     if key is None:
         return
     module.__dict__.setdefault(key, {})[func] = TorchStateView(module)
+
+
+def torch_state(module: nn.Module) -> TorchStateView | None:
+    """FSDP2's ``fully_shard.state(module)``: the :class:`TorchStateView` of a module passed to
+    our ``fully_shard`` (``None`` for any other module). Also ``functional_fsdp.fully_shard.state``,
+    for code that calls it on whatever ``fully_shard`` it imported."""
+    get_state = getattr(_TORCH_FULLY_SHARD, "state", None)
+    view = get_state(module) if get_state is not None else None
+    return view if isinstance(view, TorchStateView) else None

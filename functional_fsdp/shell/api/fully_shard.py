@@ -41,6 +41,7 @@ from ..parallel.tensor_parallel import (
 )
 from . import replaced
 from .codecs import adopt_codecs, plain_data
+from .finalization import torch_state
 from .module import FSDPModule, UnshardHandle, register_fsdp_forward_method, swap_class
 from .state import FSDPState, hooks_for
 from .torch_clip import watch as watch_torch_clip
@@ -130,6 +131,10 @@ def fully_shard(
         )
     _attach(modules, group, mp, name, reshard_after_forward, borrowed).bucket_bytes = bucket_bytes
     return module
+
+
+# FSDP2's ``fully_shard.state(module)`` (torch's pipelining and trainers call it).
+fully_shard.state = torch_state  # type: ignore[attr-defined]
 
 
 def _meshes(
