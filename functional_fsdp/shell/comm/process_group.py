@@ -10,6 +10,7 @@ replacements move the same bytes as the native collective, so gloo groups use th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -302,10 +303,21 @@ class ProcessGroupComm:
             if published is not None:
                 self._get_store().set(published, "")  # no longer waiting there
         if box:
+            # Tell the peers at once: one still waiting for a message from this rank (a
+            # collective that no longer involves the dead peer) would wait until this rank's
+            # sockets close, which, with the old group still referenced, is long after the
+            # survivors stopped waiting for it to report alive (it was then declared lost).
+            self._tell_peers_failed()
             raise CollectiveError(
                 f"{self._what(seq, what)} failed on rank {self._rank}: {box[0]}; a peer process "
                 "probably died or closed the connection (see its log)"
             ) from box[0]
+
+    def _tell_peers_failed(self) -> None:
+        """Post an abort for the peers' waits (:class:`PeerAbortedError` within 0.1 s); the
+        store may be gone with the peer that hosted it: nothing left to tell then."""
+        with contextlib.suppress(Exception):
+            self._post_abort()
 
     def _check_peers(self, works: list, waited_s: float, seq: int | None, what: str | None) -> None:
         """Raise (telling the peers) when the watchdog's records show a peer that can never

@@ -28,6 +28,7 @@ survivors is :mod:`.rebuild`.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import threading
 from collections.abc import Sequence
@@ -343,10 +344,11 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
+            # A slow or failed store call (a loaded machine): beat again next time. Giving up
+            # for good here made a live rank's counter stand still, and the survivors declared
+            # it lost; at exit the atexit hook stops the thread.
+            with contextlib.suppress(Exception):
                 self._store.add(self._key, 1)
-            except Exception:  # the store is gone: nothing left to tell
-                return
             self._stop.wait(self._interval_s)
 
     def read(self, rank: int) -> int | None:

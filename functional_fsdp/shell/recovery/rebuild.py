@@ -115,7 +115,7 @@ def _agree(
     ``_DEAD_AFTER_S``; nobody waits longer than ``wait_s``."""
     prefix = f"ffsdp/recover/{epoch}/"
     world_size = copies.world_size
-    store.set(f"{prefix}alive/{report.rank}", json.dumps([report.own, report.copy]))
+    _report_alive(store, epoch, report)  # (again: the first report came before the teardown)
     deadline = time.monotonic() + wait_s
     keys = [f"{prefix}alive/{r}" for r in range(world_size)]
     beats: dict[int, tuple[int | None, float]] = {}  # rank -> (counter, when it last moved)
@@ -139,6 +139,12 @@ def _agree(
         own, copy = json.loads(store.get(keys[r]).decode())
         out.append(Restorable(r, tuple(own), tuple(copy)))
     return out, {int(d): int(i) for d, i in spares.items()}
+
+
+def _report_alive(store: Any, epoch: int, report: Restorable) -> None:
+    """Tell the other survivors this rank is alive and what it can restore."""
+    key = f"ffsdp/recover/{epoch}/alive/{report.rank}"
+    store.set(key, json.dumps([report.own, report.copy]))
 
 
 def _claim_spares(store: Any, lost: list[int]) -> dict[int, int]:
@@ -218,6 +224,9 @@ def rebuild_on_survivors(
     t0 = time.monotonic()
     rank, ws = copies.rank, copies.world_size
     report = copies.restorable()
+    # Report alive first: the teardown below can take a while on a loaded machine, and a
+    # survivor that reports late is declared lost.
+    _report_alive(store, epoch, report)
     for g, _ in model_groups(model):  # abandon the step in flight, locally (no collective)
         g.reset_iter_state()
     if dist.is_initialized():
