@@ -287,35 +287,36 @@ class ProcessGroupComm:
                 if now > deadline:
                     self._abandon(works)
                     self._post_abort()
-                    raise CollectiveTimeoutError(
-                        f"rank {self._rank} waited {self.timeout_s:g} s for "
-                        f"{self._what(seq, what)} (epoch {self._epoch}); the other ranks are "
-                        "running a different schedule of collectives (a submodule run on some "
-                        "ranks only, a different number of micro-batches, "
-                        "set_requires_gradient_sync on some ranks only, or an exception on "
-                        "another rank) or are stuck outside FSDP. Call reset_iter_state() on "
-                        "the root module on every rank to recover (FFSDP_COLLECTIVE_TIMEOUT "
-                        "sets the limit in seconds)"
-                    )
+                    raise self._timed_out(seq, what)
         finally:
             watchdog.activity.end_wait()
             self._waited_s += time.monotonic() - start
             if published is not None:
                 self._get_store().set(published, "")  # no longer waiting there
         if box:
-            # Tell the peers at once: one still waiting for a message from this rank (a
-            # collective that no longer involves the dead peer) would wait until this rank's
-            # sockets close, which, with the old group still referenced, is long after the
-            # survivors stopped waiting for it to report alive (it was then declared lost).
             self._tell_peers_failed()
             raise CollectiveError(
                 f"{self._what(seq, what)} failed on rank {self._rank}: {box[0]}; a peer process "
                 "probably died or closed the connection (see its log)"
             ) from box[0]
 
+    def _timed_out(self, seq: int | None, what: str | None) -> CollectiveTimeoutError:
+        return CollectiveTimeoutError(
+            f"rank {self._rank} waited {self.timeout_s:g} s for {self._what(seq, what)} (epoch "
+            f"{self._epoch}); the other ranks are running a different schedule of collectives (a "
+            "submodule run on some ranks only, a different number of micro-batches, "
+            "set_requires_gradient_sync on some ranks only, or an exception on another rank) or "
+            "are stuck outside FSDP. Call reset_iter_state() on the root module on every rank to "
+            "recover (FFSDP_COLLECTIVE_TIMEOUT sets the limit in seconds)"
+        )
+
     def _tell_peers_failed(self) -> None:
-        """Post an abort for the peers' waits (:class:`PeerAbortedError` within 0.1 s); the
-        store may be gone with the peer that hosted it: nothing left to tell then."""
+        """Post an abort for the peers' waits (:class:`PeerAbortedError` within 0.1 s): a
+        peer still waiting for a message from this rank (a collective the dead peer is not in)
+        would otherwise wait until this rank's sockets close, which, with the old group still
+        referenced, is long after the survivors stopped waiting for it to report alive (it was
+        then declared lost). The store may be gone with the peer that hosted it: nothing left
+        to tell then."""
         with contextlib.suppress(Exception):
             self._post_abort()
 
