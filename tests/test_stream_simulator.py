@@ -108,3 +108,38 @@ def test_a_storage_that_dies_takes_its_history_along() -> None:
     del t
     gc.collect()
     assert key not in sim._buffers
+
+
+def test_a_collective_is_covered_only_by_events_after_its_wait() -> None:
+    """On a device a collective's stream covers it only after ``work.wait()``: an event
+    recorded before the wait proves nothing about its output or its input."""
+    for record_first in (True, False):
+        sim = StreamSimulator(strict=False)
+        ag = sim.side_stream("all_gather")
+        src, out = torch.ones(4), torch.empty(8)
+        sim.access(ag, "all-gather", reads=[src], writes=[out], in_flight=True)
+        early = sim.record(ag)
+        sim.complete(ag, [src, out])
+        event = early if record_first else sim.record(ag)
+        sim.wait_event(sim.compute, event)
+        sim.access(sim.compute, "copy-out", reads=[out])
+        sim.free_after(src, [event])
+        kinds = [v.kind for v in sim.violations]
+        assert kinds == (["read-before-write", "free-while-in-use"] if record_first else [])
+
+
+def test_memory_allocated_on_one_stream_is_written_by_another_only_after_a_wait() -> None:
+    """A freed buffer grown again on compute belongs to compute first: another stream writing
+    into it must wait for compute (a re-grown buffer used to start with no history)."""
+    for wait in (False, True):
+        sim = StreamSimulator(strict=False)
+        ag = sim.side_stream("all_gather")
+        buf = torch.empty(16)
+        sim.access(sim.compute, "forward", reads=[buf])
+        sim.free_after(buf, [sim.record(sim.compute)])
+        sim.regrow(buf)
+        sim.allocated(sim.compute, buf)
+        if wait:
+            sim.wait_stream(ag, sim.compute)
+        sim.access(ag, "all-gather", writes=[buf])
+        assert [v.kind for v in sim.violations] == ([] if wait else ["write-while-in-use"])

@@ -191,8 +191,17 @@ class CudaRuntime:
         *,
         reads: Sequence[torch.Tensor] = (),
         writes: Sequence[torch.Tensor] = (),
+        in_flight: bool = False,
     ) -> None:
         """Nothing to check on a real device (the simulator checks the same program)."""
+
+    def complete(self, stream: Stream, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Nothing to check on a real device."""
+
+    @property
+    def host_stream(self) -> Stream:
+        """Accesses are not checked on a real device: compute stands in."""
+        return self.compute
 
     def allocated(self, stream: Stream, tensor: torch.Tensor) -> None:
         """A storage used again before its deferred free ran keeps its memory: the free is

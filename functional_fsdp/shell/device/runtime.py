@@ -109,8 +109,22 @@ class DeviceRuntime(Protocol):
         *,
         reads: Sequence[torch.Tensor] = (),
         writes: Sequence[torch.Tensor] = (),
+        in_flight: bool = False,
     ) -> None:
-        """Annotate an operation ``what`` on ``stream`` reading / writing these buffers."""
+        """Annotate an operation ``what`` on ``stream`` reading / writing these buffers.
+        ``in_flight``: a collective, which reads and writes them until its work is waited for
+        (:meth:`complete`), not when issued."""
+        ...
+
+    def complete(self, stream: Stream, tensors: Sequence[torch.Tensor | None]) -> None:
+        """The collectives in flight on ``stream`` that use ``tensors`` were waited for: their
+        accesses happen now, on ``stream`` (events recorded there from now on cover them)."""
+        ...
+
+    @property
+    def host_stream(self) -> Stream:
+        """The host, as the stream of what it runs itself (a CPU optimizer step over offloaded
+        shards), for :meth:`access`."""
         ...
 
     def allocated(self, stream: Stream, tensor: torch.Tensor) -> None:
@@ -187,8 +201,17 @@ class CPURuntime:
         *,
         reads: Sequence[torch.Tensor] = (),
         writes: Sequence[torch.Tensor] = (),
+        in_flight: bool = False,
     ) -> None:
         """No checks on the CPU."""
+
+    def complete(self, stream: Stream, tensors: Sequence[torch.Tensor | None]) -> None:
+        """Nothing to track."""
+
+    @property
+    def host_stream(self) -> Stream:
+        """The one stream (everything runs in order on the CPU)."""
+        return self.compute
 
     def allocated(self, stream: Stream, tensor: torch.Tensor) -> None:
         """Nothing to track."""

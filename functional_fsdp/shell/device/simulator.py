@@ -70,6 +70,9 @@ class _Access:
     stream: int
     tick: int
     what: str
+    # A collective's access before its work was waited for: seen by no stream (on a device
+    # its stream covers it only after work.wait()); complete() stamps it with a tick then.
+    in_flight: bool = False
 
 
 class _History:
@@ -151,7 +154,7 @@ class StreamSimulator:
         return self._clocks.tick(stream)
 
     def _seen(self, by: int, access: _Access) -> bool:
-        return self._clocks.seen(by, access.stream, access.tick)
+        return not access.in_flight and self._clocks.seen(by, access.stream, access.tick)
 
     # ------------------------------------------------------------------ buffers
 
@@ -174,8 +177,10 @@ class StreamSimulator:
         *,
         reads: Sequence[torch.Tensor] = (),
         writes: Sequence[torch.Tensor] = (),
+        in_flight: bool = False,
     ) -> None:
-        """Check, then record, an operation ``what`` on ``stream`` (see the module docstring)."""
+        """Check, then record, an operation ``what`` on ``stream`` (see the module docstring).
+        ``in_flight``: a collective, whose accesses no event covers until :meth:`complete`."""
         s = stream.index
         for t in reads:
             self._check_read(s, self._history(t), what)
@@ -183,17 +188,38 @@ class StreamSimulator:
             self._check_write(s, self._history(t), what)
         tick = self._tick(s)
         for t in reads:
-            self._history(t).reads.append(_Access(s, tick, what))
+            self._history(t).reads.append(_Access(s, tick, what, in_flight))
         for t in writes:
             h = self._history(t)
-            h.write, h.reads = _Access(s, tick, what), []
+            h.write, h.reads = _Access(s, tick, what, in_flight), []
+
+    def complete(self, stream: Stream, tensors: Sequence[torch.Tensor | None]) -> None:
+        """The collectives in flight that use ``tensors`` were waited for on ``stream``: their
+        accesses happen now (an event recorded on ``stream`` before this covers none of them)."""
+        tick = self._tick(stream.index)
+        for t in tensors:
+            if t is None:
+                continue
+            h = self._history(t)
+            if h.write is not None and h.write.in_flight:
+                h.write = _Access(stream.index, tick, h.write.what)
+            h.reads = [_Access(stream.index, tick, a.what) if a.in_flight else a for a in h.reads]
+
+    @property
+    def host_stream(self) -> Stream:
+        """The host as a stream (what runs on the host: a CPU optimizer step over offloaded
+        shards)."""
+        return Stream("host", self.host)
 
     def allocated(self, stream: Stream, tensor: torch.Tensor) -> None:
-        """``tensor``'s storage is (re)allocated: a freed buffer may be used again. Memory that
-        was never freed keeps its history (its old readers still order the new writer)."""
+        """``tensor``'s storage is (re)allocated on ``stream``: a freed buffer may be used
+        again, by ``stream`` first (the allocation counts as its write there, so another
+        stream must wait for it). Memory that was never freed keeps its history (its old
+        readers still order the new writer)."""
         h = self._history(tensor)
         if h.freed:
-            self._buffers[self._key(tensor)] = _History()
+            h = self._buffers[self._key(tensor)] = _History()
+            h.write = _Access(stream.index, self._tick(stream.index), "the allocation")
 
     def free_after(self, tensor: torch.Tensor, events: Sequence[Event]) -> None:
         """Check that every access of ``tensor`` is seen by ``events`` or the host, then free
@@ -208,7 +234,7 @@ class StreamSimulator:
                 self._fail(
                     "free-while-in-use",
                     f"a buffer is freed while {acc.what} on stream "
-                    f"{self.streams[acc.stream].name} may still use it: free it after an event "
+                    f"{self._name(acc.stream)} may still use it: free it after an event "
                     "recorded on that stream after its last use",
                 )
                 break

@@ -48,7 +48,7 @@ from ..comm.scoped import ScopedComm
 from ..device import runtime_for
 from ..device.runtime import DeviceRuntime
 from ..parallel.tensor_parallel import TensorParallelPlan
-from . import ordering
+from . import optimizer_access, ordering
 from .abandoned import AbandonedWork
 from .autograd import UnshardFn, reduce_differentiably
 from .coalesced import start_together
@@ -269,6 +269,8 @@ class ParamGroup(GroupGradients, GroupLending):
         events per model), or a test's stream-ordering simulator. The group must be idle."""
         self.runtime = runtime
         self.slot.runtime = runtime
+        if runtime.checks:
+            optimizer_access.watch(self)
 
     def summon_comm(self) -> Communicator:
         """The shard group's communicator for ``summon_full_params`` (tags of their own)."""

@@ -57,6 +57,7 @@ __all__ = [
     "issue_reduce",
     "issue_tree_reduce",
     "land_gather",
+    "optimizer_stepped",
     "reduce_after_compute",
     "reduce_copy_in",
     "retire_gather",
@@ -106,7 +107,7 @@ def issue_gather(
         if rt.checks:
             out = pending.output if pending.output is not None else pending.into
             assert out is not None
-            rt.access(ag, "all-gather", reads=[enc.tensor], writes=[out])
+            rt.access(ag, "all-gather", reads=[enc.tensor], writes=[out], in_flight=True)
     return pending, staged
 
 
@@ -143,6 +144,7 @@ def issue_gather_coalesced(
                 "all-gather (coalesced)",
                 reads=[s.flat for s in sources],
                 writes=list(intos) if intos is not None else [shares[0].rows],
+                in_flight=True,
             )
     return pendings
 
@@ -169,7 +171,22 @@ def gather_done(rt: DeviceRuntime, pending: T.PendingUnshard) -> Event:
     ag = rt.side_stream("all_gather")
     with rt.use(ag):
         pending.work.wait()
+    if rt.checks:
+        rt.complete(ag, _gather_buffers(pending))
     return rt.record(ag)
+
+
+def _gather_buffers(pending: T.PendingUnshard) -> list[torch.Tensor | None]:
+    """Every buffer an all-gather in flight may read or write (its accesses complete at its
+    wait: :meth:`~functional_fsdp.shell.device.runtime.DeviceRuntime.complete`)."""
+    source = pending.source
+    return [
+        pending.input,
+        pending.output,
+        pending.into,
+        pending.share.rows if pending.share is not None else None,
+        source.flat if source is not None else None,
+    ]
 
 
 def wait_for_gather(rt: DeviceRuntime, gathered: Event) -> None:
@@ -252,9 +269,25 @@ def consumers_done(rt: DeviceRuntime) -> list[Event]:
 
 
 def host_may_write_shards(rt: DeviceRuntime) -> None:
-    """The host is about to write an offloaded group's shards in host memory (a CPU optimizer
-    step): the host-to-device copies that read them (copy-in stream) must be done."""
+    """The host is about to run a CPU optimizer step over an offloaded group: it writes the
+    shards in host memory, so the host-to-device copies that read them (copy-in stream) must be
+    done, and it reads ``.grad``, which the post-reduce stream wrote (compute waited for it)."""
     rt.host_wait(rt.record(rt.side_stream("copy_in")))
+    rt.host_wait(rt.record(rt.compute))
+
+
+def optimizer_stepped(
+    rt: DeviceRuntime,
+    grads: Sequence[torch.Tensor],
+    shards: Sequence[torch.Tensor],
+    *,
+    on_host: bool,
+) -> None:
+    """An optimizer step read ``grads`` and wrote ``shards``: on compute, or on the host (a
+    CPU step over offloaded shards). Reported to a checking runtime only
+    (:mod:`.optimizer_access`)."""
+    stream = rt.host_stream if on_host else rt.compute
+    rt.access(stream, "the optimizer step", reads=grads, writes=shards)
 
 
 def free_buffers(rt: DeviceRuntime, tensors: Sequence[torch.Tensor], events: list[Event]) -> None:
@@ -293,7 +326,13 @@ def issue_reduce(
         pending = T.issue_reduce(rin, comm, async_op=async_op, alloc=alloc)
         if rt.checks:
             sent = [rin.packed] if rin.packed is not None else present
-            rt.access(rs, "reduce-scatter", reads=sent, writes=[pending.output])
+            rt.access(
+                rs,
+                "reduce-scatter",
+                reads=sent,
+                writes=[pending.output],
+                in_flight=rin.packed is not None,
+            )
     return pending
 
 
@@ -334,7 +373,7 @@ def issue_reduce_coalesced_after_compute(
         if rt.checks:
             sent = [r.packed for r in rins if r.packed is not None]
             outs = [p.output for p in pendings]
-            rt.access(rs, "reduce-scatter (coalesced)", reads=sent, writes=outs)
+            rt.access(rs, "reduce-scatter (coalesced)", reads=sent, writes=outs, in_flight=True)
     return pendings
 
 
@@ -350,7 +389,13 @@ def issue_tree_reduce(
     with rt.use(rs):
         pending = begin()
         if rt.checks:
-            rt.access(rs, "reproducible all-to-all", reads=[subtree], writes=[pending.pieces])
+            rt.access(
+                rs,
+                "reproducible all-to-all",
+                reads=[subtree],
+                writes=[pending.pieces],
+                in_flight=True,
+            )
     return pending
 
 
@@ -366,6 +411,9 @@ def finish_reduce(
     rs = rt.side_stream("reduce_scatter")
     with rt.use(rs):
         pending.work.wait()
+    if rt.checks:
+        out = pending.pieces if isinstance(pending, PendingTreeReduce) else pending.output
+        rt.complete(rs, [pending.input, out])
     reduced = rt.record(rs)
     if pending.input is not None:
         rt.free_after(pending.input, [reduced])
