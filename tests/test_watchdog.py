@@ -189,9 +189,7 @@ def test_every_wait_in_the_package_goes_through_the_watchdog() -> None:
         ("shell/comm/process_group.py", "all_reduce"),
         # a custom collective's work, which waits through its base communicator
         ("shell/comm/custom.py", "_finish"),
-        # the neighbour copies and the rebuild: the recovery's own heartbeats find a lost
-        # neighbour, and dropping its process group wakes these waits (docs/recovery.md)
-        ("shell/recovery/copies.py", "wait"),
+        # the rebuild's sends to a spare, on the new world the survivors agreed on
         ("shell/recovery/rebuild.py", "_wait_all"),
     }
     raw = []

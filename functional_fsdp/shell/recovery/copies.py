@@ -171,6 +171,7 @@ class NeighbourCopies:
             )
         assert comm.group is not None  # ProcessGroupComm resolves None to the world
         self._pg: dist.ProcessGroup = comm.group
+        self._comm = comm  # its bounded, abort-aware waits (the watchdog's too)
         self.rank, self.world_size = comm.rank, comm.world_size
         self.source = copy_source(self.rank, self.world_size)
         self._holder = copy_holder(self.rank, self.world_size)
@@ -273,8 +274,10 @@ class NeighbourCopies:
         if not self._recvs and not self._sends:
             return
         works, self._sends, self._recvs = self._sends + self._recvs, [], []
-        for w in works:
-            w.wait()
+        # Bounded and abort-aware: a survivor whose neighbour gave up on this exchange (its own
+        # wait failed on the lost rank) is told at once instead of waiting for that
+        # neighbour's sockets to close, long after the others stopped waiting for it.
+        self._comm.wait_works(works, "the neighbour copies' exchange")
         self._held, self._incoming = self._incoming, {}
         self.held_step, self._incoming_step = self._incoming_step, None
 
