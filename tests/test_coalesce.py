@@ -22,6 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from strategies import param_trees, world_sizes
 
+from functional_fsdp._compat import HAS_SWAP_DATA_PTR
 from functional_fsdp.core.coalesce import (
     begin_unshard_coalesced,
     issue_reduce_coalesced,
@@ -497,8 +498,10 @@ def test_host_buffer_pool_changes_no_bits(world2) -> None:
     res = world2.run(case_host_pool)
     print(res[0])
     assert all(r["equal"] and r["equal_fsdp2"] for r in res), res
-    # Not vacuous: the pooled run reused memory every step, the unpooled one never did.
-    assert all(r["hits"]["pooled"] > 10 and r["hits"]["unpooled"] == 0 for r in res), res
+    # Not vacuous: the pooled run reused memory every step, the unpooled one never did (on
+    # torch 2.11, without UntypedStorage._swap_data_ptr_, the pool keeps nothing: no hits).
+    pooled_hits = (lambda n: n > 10) if HAS_SWAP_DATA_PTR else (lambda n: n == 0)
+    assert all(pooled_hits(r["hits"]["pooled"]) and r["hits"]["unpooled"] == 0 for r in res), res
     assert all(r["kept"] == {"pooled": 0, "unpooled": 0} for r in res), res
 
 

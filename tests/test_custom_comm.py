@@ -15,6 +15,7 @@ from _dist import World, shared_mesh
 from _fully_shard_helpers import CFG, _all_equal, _full_params, _max_abs, _optimizer
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from functional_fsdp._compat import HAS_REDUCE_SCATTER_MAX_INPUT_BUFFERS
 from functional_fsdp.testing.models import GPT, synthetic_batch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -418,6 +419,10 @@ def test_all_reduce_hook_matches_fsdp2(world2: World, mesh_shape, mp, micro) -> 
         assert {d for _, d in seen_o} == {"torch.float32"}
 
 
+@pytest.mark.skipif(
+    not HAS_REDUCE_SCATTER_MAX_INPUT_BUFFERS,
+    reason="FSDP2 has set_reduce_scatter_max_input_buffers from torch 2.13 on",
+)
 def test_reduce_scatter_knobs_match_fsdp2(world2: World) -> None:
     for res in world2.run(case_cuda_knobs):
         _bit_identical(res)

@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from functional_fsdp._compat import HAS_SWAP_DATA_PTR
 from functional_fsdp.shell.device.pool import (
     MAX_BYTES,
     MIN_BYTES,
@@ -25,7 +26,15 @@ from functional_fsdp.shell.device.runtime import CPURuntime
 
 N = MIN_BYTES // 4  # float32 elements of the smallest pooled buffer
 
+#: The tests that count what the pool kept; on torch 2.11 it keeps nothing (and every buffer is
+#: new), which ``test_without_storage_moves_nothing_is_kept`` checks on every torch.
+keeps_memory = pytest.mark.skipif(
+    not HAS_SWAP_DATA_PTR,
+    reason="no UntypedStorage._swap_data_ptr_ in this torch (2.11): the pool keeps nothing",
+)
 
+
+@keeps_memory
 def test_freed_memory_goes_to_the_next_buffer_of_its_size() -> None:
     pool = HostBufferPool(1 << 20)
     a = pool.empty(N, torch.float32, torch.device("cpu"))
@@ -67,6 +76,7 @@ def test_sizes_outside_the_range_and_other_devices_are_not_kept() -> None:
     assert meta.device.type == "meta" and pool.retained == 0
 
 
+@keeps_memory
 def test_size_bounds_what_is_kept_and_zero_turns_it_off() -> None:
     sizes = [64 << 10, 96 << 10, 128 << 10, 192 << 10]  # four size classes
     pool = HostBufferPool((128 << 10) + (192 << 10))
@@ -86,6 +96,7 @@ def test_size_bounds_what_is_kept_and_zero_turns_it_off() -> None:
     assert pool.retained == 0 and t.untyped_storage().nbytes() == 0
 
 
+@keeps_memory
 def test_one_buffer_of_a_size_is_kept() -> None:
     """The engine uses a size's buffers one or two at a time: more of one size would only be
     resident memory nobody asks for (the backward frees the forward's kept buffers together)."""
@@ -99,6 +110,7 @@ def test_one_buffer_of_a_size_is_kept() -> None:
     assert pool.empty(N, torch.float32, torch.device("cpu")).data_ptr() == first
 
 
+@keeps_memory
 def test_neighbouring_sizes_share_a_class() -> None:
     """Temporary buffers of neighbouring sizes (the rows of buckets of 4 and 5 blocks) reuse
     one another's memory; each sees only its own elements."""

@@ -24,13 +24,15 @@ import torch
 import torch.nn as nn
 from _dist import shared_mesh
 
+from functional_fsdp._compat import torch_at_least
 from functional_fsdp.core.errors import WholeMatrixError
 
 # bf16 parameters given the same gradients, 3 steps, in units of |x| * eps (eps = 2**-7):
 # measured 2.04 at world 2 and 4 and 1.75 on 2 dp x 2 tp (a last-bit flip or two per element:
 # CPU's bf16 ``add_(o, alpha=-lr)`` rounds an element by its position in the vector, and torch
-# runs it on the whole matrix, we on a piece), asserted <= 4.
-BF16_ULPS = 4.0
+# runs it on the whole matrix, we on a piece), asserted <= 4. On torch 2.11 measured 15 at
+# world 2 (same_grads_torch.bfloat16; its CPU bf16 kernels round differently), asserted <= 16.
+BF16_ULPS = 4.0 if torch_at_least(2, 12) else 16.0
 
 # Parameters after training, |sharded - single| / |single update|; measured 0 (see module doc).
 E2E_TOL = 1e-3

@@ -21,6 +21,8 @@ from _tp_helpers import (
     world_mesh,
 )
 
+from functional_fsdp._compat import HAS_DATA_PARALLEL_MESH_DIMS
+
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
@@ -174,6 +176,9 @@ def case_dp_mesh_dims() -> dict:
     }
 
 
+@pytest.mark.skipif(
+    not HAS_DATA_PARALLEL_MESH_DIMS, reason="DataParallelMeshDims is absent from torch 2.11"
+)
 def test_dp_mesh_dims_like_fsdp2(world4):
     res = world4.run(case_dp_mesh_dims)
     r = res[0]

@@ -26,6 +26,8 @@ from collections import OrderedDict
 
 import torch
 
+from ..._compat import HAS_SWAP_DATA_PTR
+
 __all__ = [
     "HostBufferPool",
     "host_buffer_pool",
@@ -46,9 +48,9 @@ DEFAULT_BYTES = 8 << 20
 #: time (a member's buffer is freed before the next member's is made); more would only sit
 #: in resident memory (the backward frees the buffers the forward kept for it all at once).
 PER_SIZE = 1
-#: Whether this torch can move memory between storages (a private method, present in the
-#: supported releases); without it the pool keeps nothing and every buffer is new, as before.
-CAN_MOVE = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+#: Whether this torch can move memory between storages (a private method, absent from torch
+#: 2.11); without it the pool keeps nothing and every buffer is new, as before.
+CAN_MOVE = HAS_SWAP_DATA_PTR
 
 
 class HostBufferPool:
