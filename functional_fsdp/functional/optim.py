@@ -148,6 +148,18 @@ def _check_lr(lr: LearningRate) -> None:
         raise HyperparameterError(f"lr must be >= 0 (or a schedule count -> lr), got {lr!r}")
 
 
+def _lerp_copy(start: list[torch.Tensor], end: list[torch.Tensor], weight: float) -> list[Any]:
+    """``torch._foreach_lerp(start, end, weight)`` as new tensors, on every supported torch.
+
+    A copy and the in-place ``_foreach_lerp_``, bit-identical to the out-of-place op: DTensor
+    has no sharding rule for ``aten._foreach_lerp.Scalar`` before torch 2.13 (only for the
+    in-place form), so FSDP + TP state (``DTensor`` s) could not take the out-of-place one.
+    """
+    out = [t.clone() for t in start]
+    torch._foreach_lerp_(out, end, weight)
+    return out
+
+
 def _zeros(params: Any) -> Any:
     leaves, spec = tree_flatten(params)
     return tree_unflatten(
@@ -233,7 +245,7 @@ def adamw(
             torch._foreach_mul_(new_nu, beta2)
         else:
             new_p = torch._foreach_mul(p, 1 - rate * weight_decay) if weight_decay != 0 else None
-            new_mu = torch._foreach_lerp(mu, g, 1 - beta1)
+            new_mu = _lerp_copy(mu, g, 1 - beta1)
             new_nu = torch._foreach_mul(nu, beta2)
         torch._foreach_addcmul_(new_nu, g, g, 1 - beta2)
         bias_correction1 = 1 - beta1**step

@@ -31,7 +31,7 @@ from ..core._tree import tree_flatten, tree_unflatten
 from ..core.errors import ArgumentTypeError, HyperparameterError, OptimizerStateError
 from ._pytrees import register_everywhere
 from .norms import global_norm
-from .optim import LearningRate, Optimizer, _zeros, structure_mismatch
+from .optim import LearningRate, Optimizer, _lerp_copy, _zeros, structure_mismatch
 
 __all__ = [
     "EmptyState",
@@ -230,7 +230,7 @@ def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> Grad
         if not g:
             return updates, ScaleByAdamState(count, state.mu, state.nu)
         step = count.item()
-        mu = torch._foreach_lerp(_like(state.mu, spec, "ScaleByAdamState.mu"), g, 1 - b1)
+        mu = _lerp_copy(_like(state.mu, spec, "ScaleByAdamState.mu"), g, 1 - b1)
         nu = torch._foreach_mul(_like(state.nu, spec, "ScaleByAdamState.nu"), b2)
         torch._foreach_addcmul_(nu, g, g, 1 - b2)
         denom = torch._foreach_sqrt(nu)
