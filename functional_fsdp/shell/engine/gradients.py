@@ -67,6 +67,7 @@ class GroupGradients:
     _params: tuple[torch.nn.Parameter, ...]
     _requires_grad: tuple[bool, ...]
     _advise: Callable[[torch.Tensor], None]
+    tp: Any  # the TensorParallelPlan, or None
     # ... and the methods it calls
     configure: Callable[..., None]
     base_comms: Callable[[], list[ProcessGroupComm]]
@@ -118,6 +119,8 @@ class GroupGradients:
         reduce-scatter (in the group's reduce bucket when it coalesces), after finishing the
         reduction still in flight. ``last_use``: no other use of the group in this forward
         has a backward to come (a module called twice hands in two uses' gradients)."""
+        if self.tp is not None:  # TP-replicated gradients reduced over TP in a wider dtype
+            grads = self.tp.widen_grads(grads)
         if self.tree is not None:
             # The canonical tree: accumulate whatever the sync flag says; reduce once per step.
             # A micro-batch's uses make one leaf, whatever the world size.

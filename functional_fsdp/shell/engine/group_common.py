@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..._compat import FSDP2_REDUCES_IN_ORIGINAL_DTYPE
 from ...core.records import GroupLayout, MixedPrecisionPolicy, ParamSpec
 
 __all__ = ["TrainingState", "layout_for", "profiled", "traced"]
@@ -69,9 +70,15 @@ def layout_for(
     """The group layout of ``specs`` under FSDP2's mixed-precision rules.
 
     ``reduce_dtype`` is dropped when it equals ``param_dtype`` (FSDP2 reduces in the compute
-    dtype then).
+    dtype then). When it is ``None``, FSDP2 before torch 2.15 reduces in ``param_dtype`` (the
+    layout's default); from 2.15 on it reduces in the parameters' original dtype (promoted over
+    the group's trainable floating-point parameters), so the layout names that dtype.
     """
     reduce = mp_policy.reduce_dtype
+    if reduce is None and mp_policy.param_dtype is not None and FSDP2_REDUCES_IN_ORIGINAL_DTYPE:
+        originals = {s.dtype for s in specs if s.requires_grad and s.dtype.is_floating_point}
+        if originals:
+            reduce = functools.reduce(torch.promote_types, sorted(originals, key=str))
     if reduce is not None and reduce == mp_policy.param_dtype:
         reduce = None
     return GroupLayout.build(

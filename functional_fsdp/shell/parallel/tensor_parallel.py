@@ -16,6 +16,7 @@ The pure math lives in :mod:`functional_fsdp.core.tensor_parallel`; this module 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,8 +27,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from ..._compat import FSDP2_UPCASTS_TP_REPLICATED_GRADS
 from ...core import tensor_parallel as TP
-from ...core.errors import IncompatibleMeshError, MeshError, TiedPlacementError, UnsupportedError
+from ...core.errors import (
+    FSDPError,
+    IncompatibleMeshError,
+    MeshError,
+    TiedPlacementError,
+    UnsupportedError,
+)
 from ...core.records import GroupLayout, ParamSpec
 from ..engine.group_common import _contiguous_stride
 
@@ -46,7 +54,15 @@ def placement_text(p: Placement) -> str:
 class _TPParam:
     """Shell-side facts of one TP parameter (meshes and placements; the core keeps strings)."""
 
-    __slots__ = ("dp_dims", "mesh", "placements", "tp_dims", "tp_sizes", "unsharded_mesh")
+    __slots__ = (
+        "dp_dims",
+        "mesh",
+        "placements",
+        "replicated_over_tp",
+        "tp_dims",
+        "tp_sizes",
+        "unsharded_mesh",
+    )
 
     def __init__(
         self,
@@ -62,6 +78,11 @@ class _TPParam:
         self.dp_dims = dp_dims  # dims of `unsharded_mesh` that are data parallel (SPMD form)
         self.tp_dims = tp_dims
         self.tp_sizes = tuple(unsharded_mesh.size(d) for d in tp_dims)
+        # Replicated over a TP dim: its gradient may be Partial there and all-reduced by DTensor
+        # (FSDP2 2.15's ``may_reduce_grad_outside_dp``).
+        self.replicated_over_tp = any(
+            isinstance(placements[d], Replicate) for d in tp_dims if d < len(placements)
+        )
 
 
 class TensorParallelPlan:
@@ -79,6 +100,11 @@ class TensorParallelPlan:
         self._wrapped_from: tuple[Any, ...] = ()
         self._spec_cache: dict[tuple[int, torch.dtype], DTensorSpec] = {}
         self._global_shapes: list[tuple[int, ...]] = []
+        # The dtype a TP-replicated parameter's gradient is cast to before its TP reduction
+        # (torch 2.15's FSDP2); ``None``: reduced over TP in the compute dtype (2.11-2.14).
+        self._replicated_grad_dtype: torch.dtype | None = None
+        # Per parameter index: (the gradient WrapFullFn handed autograd, its wider original).
+        self._wide_grads: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def sharded_specs(
         self, layout: GroupLayout, placements: list[Any], specs: list[DTensorSpec]
@@ -86,6 +112,11 @@ class TensorParallelPlan:
         """The group's sharded placements and specs with those of TP parameters replaced."""
         placements, specs = list(placements), list(specs)
         self._global_shapes = [s.global_shape or s.shape for s in layout.specs]
+        self._replicated_grad_dtype = None
+        if FSDP2_UPCASTS_TP_REPLICATED_GRADS:
+            # no uniform reduce dtype: the group's reduction names the problem
+            with contextlib.suppress(FSDPError):
+                self._replicated_grad_dtype = layout.grad_reduce_dtype()
         for i, (info, spec) in enumerate(zip(self.params, layout.specs)):
             if info is None:
                 continue
@@ -127,9 +158,27 @@ class TensorParallelPlan:
             if info is None or isinstance(t, DTensor):
                 out.append(t)
                 continue
-            out.append(WrapFullFn.apply(t, self._unsharded_spec(i, t), info.dp_dims))
+            wide = (self, i) if info.replicated_over_tp and self._replicated_grad_dtype else None
+            out.append(WrapFullFn.apply(t, self._unsharded_spec(i, t), info.dp_dims, wide))
         self._wrapped = tuple(out)
         self._wrapped_from = tuple(tensors)
+        return out
+
+    def keep_wide_grad(self, i: int, handed: torch.Tensor, wide: torch.Tensor) -> None:
+        """:class:`WrapFullFn` reduced parameter ``i``'s gradient over TP in a wider dtype than
+        the parameter's and handed autograd ``handed`` (autograd casts a gradient to its
+        input's dtype): keep ``wide`` for :meth:`widen_grads`."""
+        self._wide_grads[i] = (handed, wide)
+
+    def widen_grads(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The group's full gradients with each one :meth:`keep_wide_grad` kept put back in
+        its wide dtype: only where autograd passed on the very tensor handed to it (nothing
+        else was added to it on the way)."""
+        out = list(grads)
+        for i, (handed, wide) in self._wide_grads.items():
+            if i < len(out) and out[i] is handed:
+                out[i] = wide
+        self._wide_grads.clear()
         return out
 
     def to_global(self, i: int, spec: ParamSpec, full_local: torch.Tensor) -> torch.Tensor:
@@ -182,24 +231,55 @@ class WrapFullFn(torch.autograd.Function):
     """Forward: a TP-local tensor as the ``DTensor`` the module sees. Backward: the gradient's
     local tensor after redistributing its TP dims to the parameter's placements (a ``Partial``
     gradient of a replicated TP parameter is all-reduced over TP), keeping any data-parallel
-    dims as they are: FSDP's reduce-scatter handles those."""
+    dims as they are: FSDP's reduce-scatter handles those.
+
+    ``wide`` (torch 2.15's FSDP2, parameters replicated over a TP dim): ``(plan, index)``; the
+    local gradient is cast to the plan's reduce dtype before the TP reduction, as 2.15's
+    ``grad_dtype`` on such a parameter makes autograd do, so the TP all-reduce runs in the
+    reduce dtype rather than the compute dtype. Autograd casts what this returns back to the
+    compute dtype, so the wide result goes to the plan (:meth:`TensorParallelPlan.widen_grads`
+    hands it to the group's reduction)."""
 
     @staticmethod
-    def forward(ctx: Any, local: torch.Tensor, spec: DTensorSpec, dp_dims: tuple[int, ...]) -> Any:
+    def forward(
+        ctx: Any,
+        local: torch.Tensor,
+        spec: DTensorSpec,
+        dp_dims: tuple[int, ...],
+        wide: tuple[TensorParallelPlan, int] | None = None,
+    ) -> Any:
         ctx.spec = spec
         ctx.dp_dims = dp_dims
+        ctx.wide = wide
+        ctx.grad_dtype = wide[0]._replicated_grad_dtype if wide is not None else None
         return DTensor(local.view_as(local), spec, requires_grad=local.requires_grad)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None, None]:
         if not isinstance(grad, DTensor):
-            return grad, None, None
+            return grad, None, None, None
+        compute_dtype = grad.dtype
+        if ctx.grad_dtype is not None and grad.dtype != ctx.grad_dtype:
+            # Cast the local tensor: DTensor's own cast of a Partial gradient reduces it first.
+            grad = DTensor.from_local(
+                grad.to_local().to(ctx.grad_dtype),
+                grad.device_mesh,
+                grad.placements,
+                run_check=False,
+                shape=grad.shape,
+                stride=grad.stride(),
+            )
         want = tuple(
             grad.placements[d] if d in ctx.dp_dims else p for d, p in enumerate(ctx.spec.placements)
         )
         if tuple(grad.placements) != want:
             grad = grad.redistribute(placements=want)
-        return grad.to_local(), None, None
+        local = grad.to_local()
+        if ctx.wide is not None and local.dtype != compute_dtype:
+            handed = local.to(compute_dtype)
+            ctx.wide[0].keep_wide_grad(ctx.wide[1], handed, local)
+            return handed, None, None, None
+        return local, None, None, None
 
 
 def plan_tensor_parallel(
