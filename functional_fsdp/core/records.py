@@ -12,7 +12,7 @@ state)`` is a record of shapes, as a pytree must allow.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -49,6 +49,8 @@ class ParamSpec:
         shard_dim: the dimension sharded (``Shard(shard_dim)``); dims > 0 divide evenly.
         global_shape: the global logical shape (differs from ``shape`` only under TP).
         tp_placements: opaque descriptors of the TP placements to rebuild (empty without TP).
+        keep_dtype: gathered and computed in ``dtype`` whatever the group's ``param_dtype``
+            (``MixedPrecisionPolicy.param_dtype_override_fn`` returned the original dtype).
     """
 
     fqn: str
@@ -58,6 +60,7 @@ class ParamSpec:
     shard_dim: int = 0
     global_shape: tuple[int, ...] | None = None
     tp_placements: tuple[str, ...] = ()
+    keep_dtype: bool = False
 
     @classmethod
     def for_tensor(cls, fqn: str, tensor: torch.Tensor, *, shard_dim: int = 0) -> ParamSpec:
@@ -139,7 +142,9 @@ class GroupLayout:
         dims = tuple(L.check_shard_dim(s.shape, s.shard_dim, world_size, name=s.fqn) for s in specs)
         shard_shapes = tuple(L.sharded_shape(s.shape, d, world_size) for s, d in zip(specs, dims))
         gather_dtypes = tuple(
-            param_dtype if (param_dtype is not None and _floating(s.dtype)) else s.dtype
+            param_dtype
+            if (param_dtype is not None and _floating(s.dtype) and not s.keep_dtype)
+            else s.dtype
             for s in specs
         )
         numels = tuple(L.prod(sh) for sh in shard_shapes)
@@ -439,6 +444,11 @@ class MixedPrecisionPolicy:
         reduce_dtype: dtype of gradient reduction.
         output_dtype: dtype forward outputs are cast to.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+        param_dtype_override_fn: torch 2.15's per-parameter ``param_dtype`` (keyword only):
+            called once per managed parameter at ``fully_shard``; returning the parameter's
+            own dtype keeps it (gathered and computed) in that dtype, ``None`` or
+            ``param_dtype`` uses ``param_dtype``; anything else is a ``PolicyError`` (a
+            ``ValueError``, as FSDP2). Accepted on every supported torch.
     """
 
     param_dtype: torch.dtype | None = attrs.field(
@@ -451,6 +461,33 @@ class MixedPrecisionPolicy:
         default=None, validator=_check_dtype("output_dtype")
     )
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Callable[[Any], torch.dtype | None] | None = attrs.field(
+        default=None, kw_only=True
+    )
+
+    def keeps_original_dtype(self, param: torch.Tensor) -> bool:
+        """Whether ``param_dtype_override_fn`` keeps ``param`` in its original dtype.
+
+        Raises:
+            PolicyError: the function returned something other than ``None``, ``param_dtype``
+                or the parameter's dtype (FSDP2 2.15 raises ``ValueError`` there too).
+        """
+        if self.param_dtype_override_fn is None:
+            return False
+        got = self.param_dtype_override_fn(param)
+        if got is None:
+            return False
+        if not isinstance(got, torch.dtype):
+            raise PolicyError(
+                f"param_dtype_override_fn must return a torch.dtype or None but got {type(got)}"
+            )
+        if got not in (self.param_dtype, param.dtype):
+            raise PolicyError(
+                "param_dtype_override_fn must return None, param_dtype, or the parameter's "
+                f"original dtype but got {got} for a parameter with dtype {param.dtype} and "
+                f"param_dtype {self.param_dtype}"
+            )
+        return got == param.dtype and got != self.param_dtype
 
     @classmethod
     def coerce(cls, policy: Any) -> MixedPrecisionPolicy:
@@ -465,6 +502,8 @@ class MixedPrecisionPolicy:
                 policy.reduce_dtype,
                 policy.output_dtype,
                 bool(policy.cast_forward_inputs),
+                # torch 2.15's field; absent from earlier torch policies
+                param_dtype_override_fn=getattr(policy, "param_dtype_override_fn", None),
             )
         except AttributeError as e:
             raise PolicyError(

@@ -6,6 +6,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
+import attrs
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -391,7 +392,7 @@ def _build_group(
 ) -> ParamGroup:
     shard_size = mesh.size(-1)
     rank = mesh.get_local_rank(-1) if mesh.ndim == 2 else mesh.get_local_rank()
-    specs = _param_specs(params, fqns, shard_placement_fn, tp)
+    specs = _param_specs(params, fqns, shard_placement_fn, tp, mp)
     layout = layout_for(specs, shard_size, mp)
     device = _compute_device(mesh)
     src = [(p._local_tensor if isinstance(p, DTensor) else p).detach() for p in params]
@@ -454,9 +455,11 @@ def _param_specs(
     fqns: dict[int, str],
     shard_placement_fn: Callable | None,
     tp: TensorParallelPlan | None,
+    mp: MixedPrecisionPolicy | None = None,
 ) -> list[ParamSpec]:
-    """Each parameter's spec: its shard dim (``shard_placement_fn``) and, for a TP ``DTensor``,
-    its TP-local shape, global shape and TP placements."""
+    """Each parameter's spec: its shard dim (``shard_placement_fn``), whether
+    ``mp.param_dtype_override_fn`` keeps its dtype and, for a TP ``DTensor``, its TP-local
+    shape, global shape and TP placements."""
     specs = []
     for i, p in enumerate(params):
         dim = 0
@@ -469,7 +472,10 @@ def _param_specs(
                     )
                 dim = placement.dim
         info = tp.params[i] if tp is not None else None
-        specs.append(tp_spec(info, p, fqns[id(p)], dim))
+        spec = tp_spec(info, p, fqns[id(p)], dim)
+        if mp is not None and mp.keeps_original_dtype(p):
+            spec = attrs.evolve(spec, keep_dtype=True)
+        specs.append(spec)
     return specs
 
 
