@@ -193,6 +193,12 @@ class _StateView:
     def __init__(self, groups: list[ParamGroup]) -> None:
         self._fsdp_param_groups = [_GroupView(g) for g in groups]
 
+    @property
+    def _fsdp_param_group(self) -> _GroupView | None:
+        """The state's one group, or ``None``: torch 2.11's ``FSDPState`` held a single
+        optional group, and its pipelining stage reads it by this name."""
+        return self._fsdp_param_groups[0] if self._fsdp_param_groups else None
+
 
 class _StateContext:
     """FSDP2's ``FSDPStateContext``: the states under one root."""
