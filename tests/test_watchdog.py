@@ -149,6 +149,12 @@ def case_optimizer_step_skipped_on_one_rank() -> dict[str, Any]:
     except CollectiveError as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["after_s"] = time.monotonic() - start
+    # Neither rank leaves (closing its connections) before both have their error.
+    store = dist.distributed_c10d._get_default_store()
+    store.add("named", 1)
+    deadline = time.monotonic() + 30
+    while int(store.add("named", 0)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     return out
 
 

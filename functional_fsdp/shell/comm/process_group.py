@@ -310,7 +310,7 @@ class ProcessGroupComm:
             "recover (FFSDP_COLLECTIVE_TIMEOUT sets the limit in seconds)"
         )
 
-    def _tell_peers_failed(self) -> None:
+    def _tell_peers_failed(self, mismatch: str | None = None) -> None:
         """Post an abort for the peers' waits (:class:`PeerAbortedError` within 0.1 s): a
         peer still waiting for a message from this rank (a collective the dead peer is not in)
         would otherwise wait until this rank's sockets close, which, with the old group still
@@ -318,7 +318,7 @@ class ProcessGroupComm:
         then declared lost). The store may be gone with the peer that hosted it: nothing left
         to tell then."""
         with contextlib.suppress(Exception):
-            self._post_abort()
+            self._post_abort(mismatch)
 
     def _check_peers(self, works: list, waited_s: float, seq: int | None, what: str | None) -> None:
         """Raise (telling the peers) when the watchdog's records show a peer that can never
@@ -764,6 +764,26 @@ class ProcessGroupComm:
         if not async_op:
             work.wait()
         return work
+
+
+def abort_posted() -> str | None:
+    """What a peer posted when it gave up on the current collectives of any live
+    communicator (its mismatch message, or who gave up), else ``None``: for waits that no
+    communicator numbers (:func:`.watchdog.watched_wait`)."""
+    for comm in list(LIVE):
+        if comm._world_size > 1:
+            aborted = comm._peer_aborted()
+            if aborted is not None:
+                return comm._mismatch_reason() or f"rank {aborted} abandoned the collectives"
+    return None
+
+
+def post_abort_everywhere(message: str) -> None:
+    """Tell the peers of every live communicator that this rank gave up (``message``: why);
+    their waits raise within 0.1 s."""
+    for comm in list(LIVE):
+        if comm._world_size > 1:
+            comm._tell_peers_failed(message)
 
 
 def _done(work: object, async_op: bool) -> Work:

@@ -265,6 +265,7 @@ def watched_wait(
     ``FFSDP_COLLECTIVE_TIMEOUT``. ``peers``: the global ranks that must post their halves;
     ``on_abandon``: keeps the works (and buffers) referenced when the wait is given up."""
     from ...core.errors import CollectiveTimeoutError
+    from .process_group import abort_posted, post_abort_everywhere
     from .schedule import thread_waiter
 
     if all(w.is_completed() for w in works):
@@ -280,9 +281,14 @@ def watched_wait(
         while not done.wait(0.1):
             now = time.monotonic()
             err: Exception | None = None
-            if now >= check_at:
+            told = abort_posted()  # a peer gave up (e.g. found this mismatch first)
+            if told is not None:
+                err = CollectiveMismatchError(told)
+            elif now >= check_at:
                 err = peer_trouble(peers, family, now - start_t, what)
                 check_at = now + 0.5
+                if err is not None:
+                    post_abort_everywhere(str(err))  # the peers' waits hear it at once
             if err is None and now - start_t > timeout_s:
                 err = CollectiveTimeoutError(
                     f"rank {dist.get_rank()} waited {timeout_s:g} s for {what}; the other ranks "
