@@ -128,7 +128,8 @@ def read_results(version: str, rc: int | None = None, seconds: float | None = No
             elif bad is not None:
                 counts["failed" if bad.tag == "failure" else "errors"] += 1
                 message = (bad.get("message") or "").strip().splitlines()
-                failures.append((name, message[0][:160] if message else ""))
+                first = " ".join(message[0].split()) if message else ""
+                failures.append((name, first.encode("ascii", "replace").decode()[:160]))
             else:
                 counts["passed"] += 1
     if rc is None:
