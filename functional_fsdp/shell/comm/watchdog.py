@@ -214,7 +214,7 @@ def peer_trouble(peers: list[int], family: str, waited_s: float, what: str) -> E
             return PeerLeftError(
                 f"rank {peer}'s program ended while rank {me} waits for {what} (its last "
                 f"collective: {rec['last']}); every rank must issue the same collectives: "
-                "did rank {peer} run fewer micro-batches or steps?".replace("{peer}", str(peer))
+                f"did rank {peer} run fewer micro-batches or steps?"
             )
         wait = rec["wait"]
         if wait is None and rec["outside"] and rec["idle_s"] >= grace and waited_s >= grace:
