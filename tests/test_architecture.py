@@ -15,20 +15,9 @@ import pytest
 PACKAGE = "functional_fsdp"
 ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 CORE_DIR = ROOT / "core"
-CORE = (
-    "_tree",
-    "errors",
-    "layout",
-    "records",
-    "compression",
-    "reduction",
-    "transitions",
-    "comm",
-    "codec",
-    "tensor_parallel",
-    "reproducible",
-    "recovery",
-)
+# Every module of the core, found on disk (a new one cannot escape the checks below; each
+# must also say what it may import in ALLOWED_INTERNAL).
+CORE = tuple(sorted(p.stem for p in CORE_DIR.glob("*.py") if p.stem != "__init__"))
 FORBIDDEN = ("torch.distributed", "torch.cuda", f"{PACKAGE}.shell")
 
 # Which core modules each core module may import (the dependency direction).
@@ -45,7 +34,16 @@ ALLOWED_INTERNAL = {
     "reproducible": {"errors", "_tree", "layout", "records", "comm", "reduction"},
     "recovery": {"errors", "records", "comm", "transitions"},
     "transitions": {"errors", "_tree", "layout", "records", "reduction", "comm", "codec"},
+    "coalesce": {"errors", "records", "comm", "reduction", "transitions"},
+    "lifecycle": {"errors"},
 }
+
+
+def test_every_core_module_declares_its_dependencies() -> None:
+    assert set(CORE) == set(ALLOWED_INTERNAL), (
+        f"declare the core modules {sorted(set(CORE) - set(ALLOWED_INTERNAL))} in "
+        f"ALLOWED_INTERNAL (what each may import); drop {sorted(set(ALLOWED_INTERNAL) - set(CORE))}"
+    )
 
 
 def _resolve(module: str, node: ast.ImportFrom) -> str:
@@ -166,6 +164,7 @@ import functional_fsdp
 import functional_fsdp.core, functional_fsdp.core.layout, functional_fsdp.core.records
 import functional_fsdp.core.transitions, functional_fsdp.core.comm, functional_fsdp.core.codec
 import functional_fsdp.core.tensor_parallel, functional_fsdp.testing
+import functional_fsdp.core.coalesce, functional_fsdp.core.lifecycle
 added = set(sys.modules) - base
 bad = ("torch.distributed", "torch.cuda", "functional_fsdp.shell", "functional_fsdp.functional")
 print(sorted(m for m in added if m.startswith(bad)))
@@ -549,3 +548,60 @@ def test_group_write_checker_catches_violations(source: str) -> None:
 )
 def test_group_write_checker_allows_other_writes(source: str) -> None:
     assert not group_writes(source), source
+
+
+# The control flags that live in the life cycle's record (core/lifecycle.py Phase) now.
+CONTROL_FLAGS = (
+    "training_state",
+    "ran_forward",
+    "ran_post_backward",
+    "forward_done",
+    "grad_uses",
+    "backward_uses",
+    "keep_for_double_backward",
+    "lent_open",
+    "_own_open",
+    "_outputs_fresh",
+)
+
+
+def _assigned_attributes(tree: ast.AST) -> list[tuple[str, str, int]]:
+    """``(function, attribute, line)`` for every ``x.attr = ...`` / ``x.attr += ...``."""
+    found = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Assign):
+                targets = list(node.targets)
+            elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            for t in targets:
+                for sub in ast.walk(t):
+                    if isinstance(sub, ast.Attribute):
+                        found.append((fn.name, sub.attr, node.lineno))
+    return found
+
+
+def test_the_control_state_has_one_writer() -> None:
+    """A group's control state is its ``phase`` record, written only where the life cycle
+    advances (``ParamGroup._event``) and set up (``__init__``); the flags it replaced are
+    written nowhere in the package."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for fn, attr, line in _assigned_attributes(ast.parse(path.read_text())):
+            if attr in CONTROL_FLAGS:
+                bad.append(f"{rel}:{line} {fn} writes .{attr}")
+            if attr == "phase" and not (
+                rel == "shell/engine/group.py" and fn in ("_event", "__init__")
+            ):
+                bad.append(f"{rel}:{line} {fn} writes .phase")
+    assert not bad, f"advance the life cycle (ParamGroup._event) instead: {bad}"
+
+
+def test_control_state_checker_sees_writes() -> None:
+    src = "def f(g):\n    g.ran_forward = True\n    g.phase, x = 1, 2\n    g.forward_done += 1\n"
+    found = {(fn, attr) for fn, attr, _ in _assigned_attributes(ast.parse(src))}
+    assert {("f", "ran_forward"), ("f", "phase"), ("f", "forward_done")} <= found

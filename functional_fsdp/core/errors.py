@@ -22,6 +22,7 @@ __all__ = [
     "IncompatibleMeshError",
     "IndivisibleError",
     "LayoutMismatchError",
+    "LifecycleError",
     "MeshError",
     "MissingDependencyError",
     "PolicyError",
@@ -111,6 +112,11 @@ class StateError(FSDPError, RuntimeError, ValueError):
     its root) and ``ValueError`` for a plain module where an FSDP module is expected
     (``set_modules_to_forward_prefetch([nn.Linear(...)])``).
     """
+
+
+class LifecycleError(StateError):
+    """A group got an event its stage does not accept (``core/lifecycle.py``): the message
+    names the group, its stage, the stages that accept the event and what to do."""
 
 
 class AlreadyShardedError(StateError, AssertionError):

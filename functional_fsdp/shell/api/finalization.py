@@ -56,9 +56,8 @@ def settle(group: ParamGroup) -> None:
     ``reshard_after_backward``). Safe on a group that got no gradient (nothing to reduce)."""
     if group.tree is None:
         group.post_backward([None] * len(group.sharded_params))
-    elif group.config.reshard_after_backward:  # the tree reduces once per step by itself
-        group.free()
-        group.register_sharded()
+    else:  # the tree reduces once per step by itself
+        group.settle()
 
 
 def groups_under(root: FSDPState) -> list[ParamGroup]:

@@ -156,6 +156,15 @@ class GroupGradients:
                     self.reduce_chain.hand_over(self)
                     self.pending_reduce = self.begin_reduce(grads, self.state)
 
+    def drop_failed_gradients(self) -> None:
+        """A step failed (``reset_iter_state``): drop its unsharded (no-sync) gradients, the
+        reduce bucket's inputs and the reproducible tree's open leaves."""
+        self.accumulated = None
+        if self.reduce_bucket is not None:
+            self.reduce_bucket.drop()
+        if self.tree is not None:
+            self.tree.abandon()
+
     def _begin_tree_reduce(self) -> None:
         """The step's last micro-batch joined the canonical tree: send its subtree sum."""
         assert self.tree is not None

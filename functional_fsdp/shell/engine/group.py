@@ -21,7 +21,7 @@ fields (``tests/test_architecture.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -34,6 +34,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ...core import transitions as T
 from ...core.comm import Communicator
 from ...core.errors import ReproducibilityError
+from ...core.lifecycle import Act, Event, LifecycleConfig, Phase, advance
 from ...core.records import (
     CPUOffloadPolicy,
     GroupLayout,
@@ -99,6 +100,9 @@ class ParamGroup(GroupGradients, GroupLending):
             gives every group of the model the root's (:meth:`use_runtime`).
     """
 
+    # The actions _carry_out runs by a method of no arguments (filled in below the class).
+    _CARRY_OUT: dict[Act, Callable[[ParamGroup], Any]]
+
     def __init__(
         self,
         layout: GroupLayout,
@@ -153,19 +157,12 @@ class ParamGroup(GroupGradients, GroupLending):
         self._post_forward_state: PostForwardState | None = None
         self._post_forward_version = -1
         self._init_gradients()
-        self.training_state = TrainingState.IDLE
-        self.ran_post_backward = False
-        self.ran_forward = False  # this iteration's forward finished (a bucket skips it)
-        # This iteration's uses whose backward reduces (a module called twice makes two) and
-        # how many of those backwards ran: the last one closes a reproducible micro-batch.
-        self.grad_uses = 0
-        self.backward_uses = 0
+        # The control state (core/lifecycle.py): the only record the phase methods change.
+        self.phase = Phase()
+        self._lc: LifecycleConfig | None = None  # its settings, rebuilt when they change
         self._abandoned = AbandonedWork()  # in-flight work a failed step left, until it lands
-        # Whether a create_graph backward needs the full parameters for a double backward.
-        self.keep_for_double_backward = False
-        # fully_shard([m1, m2]): the modules sharing this group, and how many finished forward.
+        # fully_shard([m1, m2]): the modules sharing this group.
         self.forward_users = forward_users
-        self.forward_done = 0
         self._init_lending()  # weights tied across groups (.tied)
 
     # ------------------------------------------------------------------ parameters
@@ -177,6 +174,7 @@ class ParamGroup(GroupGradients, GroupLending):
         self._holders = tuple(sp.holders for sp in sps)
         self._requires_grad = tuple(sp.requires_grad for sp in sps)
         self._trains = any(self._requires_grad)
+        self._lc = None  # the life cycle reads whether the group trains
 
     @property
     def params(self) -> tuple[torch.nn.Parameter, ...]:
@@ -238,6 +236,7 @@ class ParamGroup(GroupGradients, GroupLending):
                 "drop that setting, or shard without reproducible="
             )
         self.config = new
+        self._lc = None
 
     def use_custom_collectives(self, **kw: Any) -> None:
         """Run the all-gather and/or reduce-scatter through FSDP2 ``AllGather`` /
@@ -304,7 +303,6 @@ class ParamGroup(GroupGradients, GroupLending):
     def _set_outputs(self, outputs: Sequence[torch.Tensor] | None) -> None:
         """Record this forward's full outputs on the parameters (``None``: forget them)."""
         if outputs is None:
-            self._outputs_fresh = False
             self._own_views = None
             for sp in self.sharded_params:
                 sp.full = None
@@ -453,37 +451,21 @@ class ParamGroup(GroupGradients, GroupLending):
     def unshard_onto_modules(self) -> None:
         """Finish the all-gather and put the full parameters on the modules
         (``FSDPModule.unshard``: they stay until resharded)."""
-        self.wait_unshard()
-        self.register_full(self.views)
+        self._carry_out(self._event(Event.UNSHARD))
 
     def free(self) -> None:
         """Free the unsharded buffer's storage (views saved by autograd stay valid objects)."""
         self.slot.free()
 
-    def _reshard_after_forward(self, size: bool | int) -> None:
-        """Reshard after forward: fully (``True``), to a sub-group (``int``) or not (``False``)."""
-        if size is False:
-            return
-        if size is not True and self.slot.output is not None:
-            self._post_forward_state = T.post_forward_from_gather(
-                self.layout, self.comm.rank, int(size), self.slot.output, self.state
-            )
-            self._post_forward_version = self.slot.version
-        self.free()
-
     def drop_unsharded(self) -> None:
         """Forget every unsharded copy (gather in flight, buffer, post-forward rows): the
         shards were just written (``summon_full_params``' writeback)."""
-        self.discard_pending()
-        self.free()
-        self._post_forward_state = None
+        self._carry_out(self._event(Event.SHARDS_WRITTEN))
 
     @traced("reshard")
     def reshard(self) -> None:
         """Drop every unsharded copy and register the sharded parameters (FSDP2's reshard)."""
-        self.drop_unsharded()
-        self._set_outputs(None)
-        self.register_sharded()
+        self._carry_out(self._event(Event.RESHARD))
 
     def abandon_in_flight(self) -> None:
         """``reset_iter_state``: drop the collectives a failed step left in flight without
@@ -502,57 +484,99 @@ class ParamGroup(GroupGradients, GroupLending):
         """Drop an all-gather that was prefetched but not used (it may now be stale)."""
         self.slot.discard()
 
-    # ------------------------------------------------------------------ phases (module hooks)
+    # ------------------------------------------------------------------ the life cycle
 
-    def start_iteration(self) -> None:
-        """The root's forward begins: no forward or backward has reached this group in this
-        iteration."""
-        self.ran_post_backward = False
-        self.ran_forward = False
-        self.grad_uses = self.backward_uses = 0
-        self._outputs_fresh = False
-        self.lent_open = 0
-        self._abandoned.release_landed(self.slot.landings)
+    # The group's control state is one record, ``self.phase`` (core/lifecycle.py); every
+    # phase method below hands the machine an event and carries out the actions it returns
+    # (``_carry_out``). Nothing else writes the control state.
 
-    def pre_forward(self, prefetch: Sequence[ParamGroup], *, together: bool = False) -> None:
-        """Unshard (consuming a prefetch), start the ``prefetch`` groups' all-gathers (in one
-        collective where they can travel together, with ``together``: the next bucket), and
-        put this forward's full parameters on the modules (autograd outputs whose backward
-        reduces the gradients). Nothing when another module of a ``fully_shard([m1, m2])``
-        group already did it in this forward."""
-        if self.forward_users > 1 and self.training_state == TrainingState.FORWARD:
-            return
-        self.training_state = TrainingState.FORWARD
-        self.forward_done = 0
-        self.wait_unshard()
-        if together:
-            start_together(prefetch)
-        else:
-            for g in prefetch:
-                g.start_unshard()
-        # A lending group's outputs are made once per iteration, by its first use (its own
-        # forward or another group's module: lent_full), and every later use takes them.
-        fresh = self._outputs() if self._outputs_fresh else None
-        outputs = self._unsharded_outputs() if fresh is None else tuple(fresh)
-        if fresh is None:
-            self._set_outputs(outputs)
-            self._outputs_fresh = self.lends
-        if self.lends:
-            outputs = self._own_use(outputs)
-        self.register_full(outputs)
+    @property
+    def training_state(self) -> TrainingState:
+        """Where the group is in the iteration (FSDP2's training state; read-only)."""
+        return self.phase.stage
 
-    def _unsharded_outputs(self) -> tuple[torch.Tensor, ...]:
-        """Autograd-tracked full tensors for this forward (their backward reduces the
-        gradients); plain views of the buffer when nothing needs a gradient."""
-        if torch.is_grad_enabled() and self._trains:
-            self.grad_uses += 1
-            return tuple(UnshardFn.apply(self, *self._params))
-        return tuple(v.view_as(v) for v in self.views)
+    @property
+    def ran_forward(self) -> bool:
+        """This iteration's forward finished (a forward prefetch skips the group)."""
+        return self.phase.ran_forward
 
-    def unshard_for_recompute(self) -> None:
-        """A forward inside backward (activation-checkpoint recompute): only make sure the
-        full parameters are on the modules (this forward's outputs, else the buffer's views)."""
-        self.wait_unshard()
+    @property
+    def ran_post_backward(self) -> bool:
+        """This iteration's backward reached the parameters."""
+        return self.phase.ran_post_backward
+
+    def _lifecycle_config(self) -> LifecycleConfig:
+        """The facts and settings the life cycle reads (rebuilt when they change)."""
+        c = self.config
+        return LifecycleConfig(
+            forward_users=self.forward_users,
+            reshard_after_forward=c.reshard_after_forward,
+            reshard_after_backward=c.reshard_after_backward,
+            unshard_in_backward=c.unshard_in_backward,
+            trains=self._trains,
+            all_train=all(self._requires_grad),
+            lends=self.lends,
+            offload=self.offload,
+        )
+
+    def _event(self, event: Event, **facts: bool) -> tuple[Act, ...]:
+        """Advance the life cycle by ``event``; return the actions to carry out."""
+        lc = self._lc
+        if lc is None:
+            lc = self._lc = self._lifecycle_config()
+        self.phase, acts = advance(self.phase, event, lc, group=self.name, **facts)
+        return acts
+
+    def _carry_out(
+        self,
+        acts: tuple[Act, ...],
+        prefetch: Sequence[ParamGroup] = (),
+        together: bool = False,
+        grads: Sequence[torch.Tensor | None] = (),
+    ) -> Any:
+        """Run the life cycle's actions in order; return what ``REDUCE_RETURNED`` or the
+        outputs actions produced."""
+        outputs: Any = None
+        for a in acts:
+            if a is Act.WAIT_GATHER:
+                self.wait_unshard()
+            elif a is Act.FREE:
+                self.free()
+            elif a is Act.REGISTER_SHARDED:
+                self.register_sharded()
+            elif a is Act.MAKE_OUTPUTS:
+                outputs = tuple(UnshardFn.apply(self, *self._params))
+                self._set_outputs(outputs)
+            elif a is Act.MAKE_PLAIN_OUTPUTS:
+                outputs = tuple(v.view_as(v) for v in self.views)
+                self._set_outputs(outputs)
+            elif a is Act.REUSE_OUTPUTS:
+                outputs = tuple(self._outputs() or ())
+            elif a is Act.REGISTER_OUTPUTS:
+                self.register_full(outputs)
+            elif a is Act.OWN_USE:  # a lending group's own modules see views (_own_use)
+                outputs = self._own_use(outputs)
+            elif a is Act.START_PREFETCH:
+                if together:
+                    start_together(prefetch)
+                else:
+                    for g in prefetch:
+                        g.start_unshard()
+            elif a is Act.REDUCE or a is Act.REDUCE_LAST:
+                masked = [g if rg else None for g, rg in zip(grads, self._requires_grad)]
+                self.reduce_gradients(masked, last_use=a is Act.REDUCE_LAST)
+            elif a is Act.REDUCE_RETURNED:
+                outputs = tuple(reduce_differentiably(OwnReduction(self), grads))
+            else:
+                self._CARRY_OUT[a](self)
+        return outputs
+
+    def _register_registered(self) -> None:
+        outputs = self._registered_outputs()
+        if outputs is not None:
+            self.register_full(outputs)
+
+    def _register_recompute(self) -> None:
         outputs = self._registered_outputs()
         if outputs is None and torch.is_grad_enabled() and self._trains:
             # The forward's outputs are gone: another forward and backward through this group
@@ -565,144 +589,107 @@ class ParamGroup(GroupGradients, GroupLending):
             )
         self.register_full(outputs if outputs is not None else self.views)
 
+    def _keep_rows(self) -> None:
+        """Keep the rows of a ``k``-rank sub-group of the all-gather (``reshard_after_forward=k``)."""
+        size = self.config.reshard_after_forward
+        if self.slot.output is not None:
+            self._post_forward_state = T.post_forward_from_gather(
+                self.layout, self.comm.rank, int(size), self.slot.output, self.state
+            )
+            self._post_forward_version = self.slot.version
+
+    def _forget_rows(self) -> None:
+        self._post_forward_state = None
+
+    def _host_may_write(self) -> None:
+        # The host writes the offloaded shards next (a CPU optimizer step): the copies to the
+        # device that read them must be done.
+        ordering.host_may_write_shards(self.runtime)
+
+    def _abandon_iteration(self) -> None:
+        self.abandon_in_flight()
+        self.drop_failed_gradients()
+
+    def start_iteration(self) -> None:
+        """The root's forward begins: no forward or backward has reached this group in this
+        iteration."""
+        self._carry_out(self._event(Event.START_ITERATION))
+
+    def pre_forward(self, prefetch: Sequence[ParamGroup], *, together: bool = False) -> None:
+        """Unshard (consuming a prefetch), start the ``prefetch`` groups' all-gathers (in one
+        collective where they can travel together, with ``together``: the next bucket), and
+        put this forward's full parameters on the modules (autograd outputs whose backward
+        reduces the gradients). Nothing when another module of a ``fully_shard([m1, m2])``
+        group already did it in this forward."""
+        self._carry_out(
+            self._event(Event.PRE_FORWARD, grad=torch.is_grad_enabled()), prefetch, together
+        )
+
+    def unshard_for_recompute(self) -> None:
+        """A forward inside backward (activation-checkpoint recompute): only make sure the
+        full parameters are on the modules (this forward's outputs, else the buffer's views)."""
+        self._carry_out(self._event(Event.RECOMPUTE))
+
     def post_forward(self, *, force_reshard: bool = False, keep: bool = False) -> None:
         """A module of this group finished its forward; after the last one, reshard as
         configured (fully with ``force_reshard``: the root with no backward to serve; not at
         all with ``keep``: the backward that follows needs it first), put the sharded
-        parameters back on the modules and go idle."""
-        self.forward_done += 1
-        if self.forward_done < self.forward_users:
-            return
-        self.ran_forward = True
-        # (A group whose backward does not unshard, set_unshard_in_backward(False), has
-        # nothing to keep its buffer for.)
-        keep = keep and self.config.unshard_in_backward
-        if not self.lent_open:  # else the last other group's use reshards (lent_done)
-            self._reshard_after_forward(
-                False if keep else True if force_reshard else self.config.reshard_after_forward
-            )
-        # The sharded DTensors go back on the modules after every forward, also where the
-        # unsharded buffer stays for the backward (the root): model.parameters() are then
-        # always the tensors the optimizer, clipping, EMA and autograd.grad must see. FSDP2
-        # leaves the unsharded tensors registered, and those silently take local-only
-        # gradients and updates that are lost (docs/fsdp2_mapping.md).
-        self.register_sharded()
-        self.training_state = TrainingState.IDLE
+        parameters back on the modules and go idle.
+
+        The sharded DTensors go back on the modules after every forward, also where the
+        unsharded buffer stays for the backward (the root): ``model.parameters()`` are then
+        always the tensors the optimizer, clipping, EMA and autograd.grad must see. FSDP2
+        leaves the unsharded tensors registered, and those silently take local-only gradients
+        and updates that are lost (docs/fsdp2_mapping.md)."""
+        self._carry_out(self._event(Event.POST_FORWARD, force=force_reshard, keep=keep))
 
     def pre_backward(self) -> None:
         """The backward reaches this group's outputs: all-gather again (unless
         ``unshard_in_backward`` is off) and put this forward's full parameters back."""
-        self.training_state = TrainingState.PRE_BACKWARD
-        self._own_open = self.lends
-        # set_unshard_in_backward(False): the backward does not read these parameters
-        # (e.g. an embedding); FSDP2 skips their all-gather (and its prefetch) in backward.
-        if self.config.unshard_in_backward:
-            self.wait_unshard()
-            outputs = self._registered_outputs()
-            if outputs is not None:
-                self.register_full(outputs)
+        self._carry_out(self._event(Event.PRE_BACKWARD))
 
     def prefetch_for_backward(self) -> None:
         """Start the all-gather another group's backward prefetches (unless this group's
         backward already ran or does not unshard)."""
-        if not self.ran_post_backward and self.config.unshard_in_backward:
-            self.start_unshard()
+        self._carry_out(self._event(Event.PREFETCH_FOR_BACKWARD))
 
     def unshard_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
         """:class:`~.autograd.UnshardFn`'s backward: reduce the full gradients into ``.grad``
-        (:meth:`post_backward`), or return them reduced while ``torch.autograd.grad`` runs."""
+        (:meth:`post_backward`), or return them reduced while ``torch.autograd.grad`` runs
+        (kept unsharded under ``create_graph=True``: the double backward reads them)."""
         if self.gradients_captured():
-            # torch.autograd.grad(loss, params[, create_graph=True]): return the reduced
-            # gradients to autograd instead of accumulating them into .grad.
-            self._enter_post_backward()
-            out = reduce_differentiably(OwnReduction(self), grads)
-            self._after_returned_reduce(keep_full=torch.is_grad_enabled())
-            return tuple(out)
+            acts = self._event(Event.RETURNED_BACKWARD, grad=torch.is_grad_enabled())
+            return self._carry_out(acts, grads=grads)
         self.post_backward(grads)
         return (None,) * len(grads)
-
-    def _enter_post_backward(self) -> None:
-        """This group's backward has reached its parameters (a reduction follows)."""
-        self.ran_post_backward = True
-        self.training_state = TrainingState.POST_BACKWARD
-
-    def _after_returned_reduce(self, keep_full: bool) -> None:
-        """The gradients were reduced and returned to ``torch.autograd.grad``; ``keep_full``:
-        a ``create_graph=True`` backward needs the full parameters for a double backward."""
-        self.keep_for_double_backward = keep_full
-        if self.config.reshard_after_backward and not keep_full:
-            self.free()
-            self.register_sharded()
 
     @traced("post_backward")
     def post_backward(self, grads: Sequence[torch.Tensor | None]) -> None:
         """Reduce (or accumulate, without sync) the full gradients; reshard after backward."""
-        self._enter_post_backward()
-        self.backward_uses += 1
-        grads = [g if rg else None for g, rg in zip(grads, self._requires_grad)]
-        if self.config.reshard_after_backward:
-            # The gradients are separate tensors: free the full parameters before packing them
-            # (unless another group's use still reads them: lent_done frees then).
-            if not self.lent_open:
-                self.free()
-            self.register_sharded()
-        self.reduce_gradients(grads, last_use=self.backward_uses >= self.grad_uses)
+        self._carry_out(self._event(Event.POST_BACKWARD), grads=grads)
 
     def finish_backward(self, is_last_backward: bool) -> None:
         """The root's final callback: finish the reduction (the last backward of an
         iteration; otherwise it overlaps the next micro-batch), reshard and go idle."""
-        self.close_tree_leaf()
-        self.grad_uses = self.backward_uses = 0
-        if is_last_backward:
-            # Otherwise (FSDP2's set_is_last_backward(False), gradient accumulation) the
-            # reduction stays in flight, overlapping the next micro-batch; the group's next
-            # reduction or the last backward's callback finishes it.
-            self.finish_reduce()
-        self.discard_pending()
-        if self.offload:
-            # The host writes the offloaded shards next (a CPU optimizer step): the copies
-            # to the device that read them must be done.
-            ordering.host_may_write_shards(self.runtime)
-        self.lent_open, self._own_open = 0, False
-        keep, self.keep_for_double_backward = self.keep_for_double_backward, False
-        if (self.config.reshard_after_backward or not self.ran_post_backward) and not keep:
-            # (A create_graph backward keeps the full parameters: the double backward's
-            # graph reads them. The next forward reuses them, or a reshard frees them.)
-            self.free()
-        self.register_sharded()
-        self._set_outputs(None)
-        self._post_forward_state = None
-        self.training_state = TrainingState.IDLE
+        self._carry_out(self._event(Event.FINAL_CALLBACK, last=is_last_backward))
 
     def reset_iter_state(self) -> None:
         """``reset_iter_state``: abandon in-flight work, drop the failed iteration's
         unsharded gradients (no-sync), reshard and go idle."""
-        self.abandon_in_flight()
-        self.accumulated = None
-        if self.reduce_bucket is not None:
-            self.reduce_bucket.drop()
-        if self.tree is not None:
-            self.tree.abandon()
-        self.ran_post_backward = False
-        self.ran_forward = False
-        self.grad_uses = self.backward_uses = 0
-        self.forward_done = 0
-        self.lent_open, self._own_open = 0, False
-        self.free()
-        self.register_sharded()
-        self._set_outputs(None)
-        self._post_forward_state = None
-        self.training_state = TrainingState.IDLE
+        self._carry_out(self._event(Event.RESET))
+
+    def settle(self) -> None:
+        """FSDP2's ``post_backward()`` called outside autograd on a group whose reproducible
+        tree reduces by itself: only reshard after backward (as configured)."""
+        self._carry_out(self._event(Event.SETTLE))
 
     def enter_summon(self) -> None:
         """``summon_full_params`` opens over this group."""
-        self.training_state = TrainingState.SUMMON_FULL_PARAMS
+        self._carry_out(self._event(Event.ENTER_SUMMON))
 
     def exit_summon(self) -> None:
         """``summon_full_params`` closes: the sharded parameters are back, the group is idle."""
-        self.register_sharded()
-        self.register_lent_sharded()
-        self.training_state = TrainingState.IDLE
+        self._carry_out(self._event(Event.EXIT_SUMMON))
 
     # ------------------------------------------------------------------ coalescing
 
@@ -760,6 +747,25 @@ class ParamGroup(GroupGradients, GroupLending):
             if old_p.grad is not None:
                 new_p.grad = old_p.grad.detach().clone()
         return new
+
+
+# The actions ``ParamGroup._carry_out`` runs by a method of no arguments.
+ParamGroup._CARRY_OUT = {
+    Act.RELEASE_LANDED: lambda g: g._abandoned.release_landed(g.slot.landings),
+    Act.START_GATHER: lambda g: g.start_unshard(),
+    Act.REGISTER_REGISTERED: ParamGroup._register_registered,
+    Act.REGISTER_RECOMPUTE: ParamGroup._register_recompute,
+    Act.REGISTER_VIEWS: lambda g: g.register_full(g.views),
+    Act.REGISTER_LENT_SHARDED: ParamGroup.register_lent_sharded,
+    Act.KEEP_ROWS: ParamGroup._keep_rows,
+    Act.DISCARD_PENDING: ParamGroup.discard_pending,
+    Act.FORGET_OUTPUTS: lambda g: g._set_outputs(None),
+    Act.FORGET_ROWS: ParamGroup._forget_rows,
+    Act.CLOSE_TREE_LEAF: ParamGroup.close_tree_leaf,
+    Act.FINISH_REDUCE: ParamGroup.finish_reduce,
+    Act.HOST_MAY_WRITE: ParamGroup._host_may_write,
+    Act.ABANDON: ParamGroup._abandon_iteration,
+}
 
 
 def _copy_record(state: ShardedState) -> ShardedState:

@@ -4,7 +4,6 @@ for mixed precision, the profiler-name decorator, and two small tensor helpers."
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from ..._compat import FSDP2_REDUCES_IN_ORIGINAL_DTYPE
+from ...core.lifecycle import Stage
 from ...core.records import GroupLayout, MixedPrecisionPolicy, ParamSpec
 
 __all__ = ["TrainingState", "layout_for", "profiled", "traced"]
@@ -36,14 +36,8 @@ def _preserve_version(t: torch.Tensor | None) -> Any:
     return torch.autograd._unsafe_preserve_version_counter(t)
 
 
-class TrainingState(enum.Enum):
-    """Where a group is in an iteration (FSDP2's states)."""
-
-    IDLE = "idle"
-    FORWARD = "forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_BACKWARD = "post_backward"
-    SUMMON_FULL_PARAMS = "summon_full_params"  # inside summon_full_params (FSDP1's state)
+# FSDP2's training states (and FSDP1's summon state): the life cycle's stages.
+TrainingState = Stage
 
 
 def traced(label: str) -> Any:

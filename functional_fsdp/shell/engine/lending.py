@@ -16,12 +16,13 @@ only the group's modules write them (``tests/test_architecture.py``).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from ...core.lifecycle import Act, Event, LifecycleConfig, Phase
 from .autograd import UseFn
 from .config import GroupConfig
-from .group_common import TrainingState
 from .param import Holders, ShardedParam
 
 __all__ = ["GroupLending"]
@@ -32,30 +33,32 @@ class GroupLending:
 
     Attributes:
         lends: whether any parameter is lent to another group's modules.
-        lent_open: the other groups' uses open now (their forward or backward).
+
+    The uses open now, whether this iteration's outputs were made and whether the group's own
+    use is open are the life cycle's (``ParamGroup.phase``): each method here is an event.
     """
 
     # The group's fields this room reads (ParamGroup.__init__ sets them).
     config: GroupConfig
-    training_state: TrainingState
+    phase: Phase
     sharded_params: tuple[ShardedParam, ...]
     _requires_grad: tuple[bool, ...]
+    _lc: LifecycleConfig | None
     # ... and the methods it calls
-    wait_unshard: Callable[[], None]
-    free: Callable[[], None]
-    _outputs: Callable[[], list[torch.Tensor] | None]
-    _set_outputs: Callable[[Sequence[torch.Tensor] | None], None]
-    _unsharded_outputs: Callable[[], tuple[torch.Tensor, ...]]
-    _reshard_after_forward: Callable[[bool | int], None]
+    _event: Callable[..., tuple[Act, ...]]
+    _carry_out: Callable[..., Any]
 
     def _init_lending(self) -> None:
         """Nothing lent (``ParamGroup.__init__``)."""
-        # Lent to other groups' modules, their uses open now, this iteration's outputs (made
-        # once, taken by every use: one reduction per step), and this group's own use (its
-        # modules' UseFn views; open until its backward).
-        self.lends, self.lent_open, self._outputs_fresh = False, 0, False
+        self.lends = False
+        # This group's own use: its modules' UseFn views of the outputs (open until its
+        # backward).
         self._own_views: tuple[torch.Tensor, ...] | None = None
-        self._own_open = False
+
+    @property
+    def lent_open(self) -> int:
+        """The other groups' uses open now (their forward or backward)."""
+        return self.phase.lent_open
 
     def lend(self, index: int, holders: Holders) -> None:
         """Let ``holders`` (modules of another group) use parameter ``index`` (a weight tied
@@ -64,6 +67,7 @@ class GroupLending:
         forward."""
         self.sharded_params[index].lend(holders)
         self.lends = True
+        self._lc = None
 
     def register_lent_sharded(self) -> None:
         """Put the sharded parameters on the other groups' modules that use them."""
@@ -80,11 +84,7 @@ class GroupLending:
         buffer is live until :meth:`lent_done`, and the parameter's full tensor of this
         iteration is returned (made now, with this group's other outputs, when this group's
         own forward has not run yet in the iteration)."""
-        self.wait_unshard()
-        if not self._outputs_fresh or self._outputs() is None:
-            self._set_outputs(self._unsharded_outputs())
-            self._outputs_fresh = True
-        self.lent_open += 1
+        self._carry_out(self._event(Event.LENT_FULL, grad=torch.is_grad_enabled()))
         full = self.sharded_params[index].full
         assert full is not None
         return full
@@ -92,35 +92,26 @@ class GroupLending:
     def lent_live(self) -> None:
         """Another group's module starts its backward (or recomputes its forward) with one of
         this group's parameters: the buffer is live until :meth:`lent_done`."""
-        self.wait_unshard()
-        self.lent_open += 1
+        self._carry_out(self._event(Event.LENT_LIVE))
 
     def lent_done(self, *, after_backward: bool) -> None:
         """Another group's use ended (its forward, or its backward reached the parameter):
         once no use is open and this group's own forward or backward is not running, reshard
-        as this group would after its own forward (or backward)."""
-        self.lent_open = max(0, self.lent_open - 1)
-        busy = self.training_state is TrainingState.FORWARD or (
-            self.training_state is TrainingState.PRE_BACKWARD and self._own_open
+        as this group would after its own forward (or backward; not under a
+        ``create_graph=True`` backward, whose double backward reads the buffer)."""
+        acts = self._event(
+            Event.LENT_DONE, after_backward=after_backward, grad=torch.is_grad_enabled()
         )
-        if self.lent_open or busy:
-            return
-        if not after_backward:
-            self._reshard_after_forward(self.config.reshard_after_forward)
-        else:
-            self._free_after_use()
+        self._carry_out(acts)
+
+    def lent_recompute(self) -> None:
+        """Another group's activation-checkpoint recompute reads a tied weight: the buffer
+        holds the full parameters again."""
+        self._carry_out(self._event(Event.LENT_RECOMPUTE))
 
     def own_backward_done(self) -> None:
         """The backward of this lending group's own modules is over (:meth:`_own_use`)."""
-        self._own_open = False
-        if not self.lent_open:
-            self._free_after_use()
-
-    def _free_after_use(self) -> None:
-        """Free the buffer after a use's backward, as after this group's own (not under a
-        ``create_graph=True`` backward, whose double backward reads it)."""
-        if self.config.reshard_after_backward and not torch.is_grad_enabled():
-            self.free()
+        self._carry_out(self._event(Event.OWN_BACKWARD_DONE, grad=torch.is_grad_enabled()))
 
     def _own_use(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """A lending group's own modules' views of its outputs: their :class:`UseFn` backward

@@ -201,7 +201,7 @@ class TiedUse:
 
     def recompute(self) -> None:
         """An activation-checkpoint recompute: this forward's tensor again, its data live."""
-        self.owner.wait_unshard()
+        self.owner.lent_recompute()
         if self.full is not None:
             self.register(self.full)
 

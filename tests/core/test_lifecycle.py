@@ -1,0 +1,409 @@
+"""The group life cycle (``core/lifecycle.py``) model-checked in one process.
+
+A hypothesis state machine drives :func:`advance` the way the module hooks do (forwards with
+and without autograd, a module called twice, backwards in any order, activation-checkpoint
+recomputes, ``torch.autograd.grad`` with and without ``create_graph``, tied weights used by
+another group, explicit ``unshard()``/``reshard()``, ``summon_full_params``, faults mid-forward
+and the reset after them, accumulation without the last backward) under every setting, and
+carries the returned actions out on a model of the shell (a buffer that is live or not, what
+the modules hold, the reductions issued). After every step it checks the life cycle's
+promises:
+
+- the machine's storage says what the buffer holds, and every gathered buffer is freed exactly
+  once by the step's end (no free of a buffer not held: each ``FREE`` frees something);
+- no reduction is skipped or doubled: each use's backward issues one, and exactly one of a
+  micro-batch's closes it (``REDUCE_LAST``), on the last use;
+- after any forward the modules hold the sharded parameters unless an explicit ``unshard()``
+  holds the full ones;
+- a fault mid-forward and ``reset_iter_state()`` lead to the initial phase, from which the next
+  forward is clean;
+- an event the stage does not take raises ``LifecycleError`` naming the group and the stage.
+
+``test_model_checking_catches_a_seeded_bug`` shows that the machine test fails on a broken
+``advance`` (the bug of a module used twice: every use's reduction closing the micro-batch).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import hypothesis
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from functional_fsdp.core import lifecycle as L
+from functional_fsdp.core.errors import LifecycleError, StateError
+from functional_fsdp.core.lifecycle import Act, Event, LifecycleConfig, Phase, Stage, Storage
+
+FULL_REGISTERING = {
+    Act.REGISTER_OUTPUTS,
+    Act.REGISTER_REGISTERED,
+    Act.REGISTER_RECOMPUTE,
+    Act.REGISTER_VIEWS,
+}
+
+configs = st.builds(
+    LifecycleConfig,
+    forward_users=st.sampled_from([1, 2]),
+    reshard_after_forward=st.sampled_from([True, False, 2]),
+    reshard_after_backward=st.booleans(),
+    unshard_in_backward=st.booleans(),
+    trains=st.booleans(),
+    lends=st.booleans(),
+    offload=st.booleans(),
+)
+
+
+@attrs.define
+class Shell:
+    """What the shell's interpreter does with the actions, as a model."""
+
+    live: bool = False  # the unsharded buffer holds the full parameters
+    gathers: int = 0
+    frees: int = 0
+    registered: str = "sharded"
+    reductions: int = 0  # reductions issued in this backward
+    closes: int = 0  # REDUCE_LAST in this micro-batch
+    log: list[str] = attrs.Factory(list)
+
+    def carry_out(self, acts: tuple[Act, ...], *, strict: bool = True) -> None:
+        for a in acts:
+            self.log.append(a.name)
+            if a is Act.WAIT_GATHER:
+                if not self.live:
+                    self.live, self.gathers = True, self.gathers + 1
+            elif a is Act.FREE:
+                # Strict: the machine frees only what it holds (each buffer freed once).
+                assert self.live or not strict, f"FREE of a buffer not held: {self.log[-12:]}"
+                if self.live:
+                    self.live, self.frees = False, self.frees + 1
+            elif a is Act.REGISTER_SHARDED:
+                self.registered = "sharded"
+            elif a in FULL_REGISTERING:
+                self.registered = "full"
+            elif a in (Act.REDUCE, Act.REDUCE_RETURNED):
+                self.reductions += 1
+            elif a is Act.REDUCE_LAST:
+                self.reductions += 1
+                self.closes += 1
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    """Legal event sequences of one group, as the hooks produce them."""
+
+    @initialize(config=configs)
+    def start(self, config: LifecycleConfig) -> None:
+        self.c = config
+        self.p = Phase()
+        self.shell = Shell()
+        self.open_iteration = False
+        self.tracked_uses = 0  # this micro-batch's uses whose backward reduces
+        self.backwards_done = 0
+        self.held = False  # an explicit unshard() holds the full parameters
+        self.lent_open = 0  # another group's uses of a tied weight, open now
+        self.double_backward = False
+
+    # --------------------------------------------------------------- driving
+
+    def ev(self, e: Event, *, strict: bool = True, **facts: Any) -> tuple[Act, ...]:
+        self.p, acts = L.advance(self.p, e, self.c, group="blocks.0", **facts)
+        self.shell.carry_out(acts, strict=strict)
+        return acts
+
+    def _begin_iteration(self) -> None:
+        if not self.open_iteration:
+            self.ev(Event.START_ITERATION)
+            self.open_iteration = True
+            self.shell.reductions = 0
+
+    @precondition(lambda self: self.p.stage is Stage.IDLE and self.lent_open == 0)
+    @rule(grad=st.booleans())
+    def forward(self, grad: bool) -> None:
+        """The group's modules run their forward (every module of a list-form group)."""
+        self._begin_iteration()
+        self.held = False
+        for _ in range(self.c.forward_users):
+            # A use whose backward reduces is one whose outputs are made now (a lending
+            # group's later uses take the iteration's outputs: one backward for all of them).
+            if Act.MAKE_OUTPUTS in self.ev(Event.PRE_FORWARD, grad=grad):
+                self.tracked_uses += 1
+            assert self.shell.live and self.shell.registered == "full"
+        for i in range(self.c.forward_users):
+            self.ev(Event.POST_FORWARD)
+            if i < self.c.forward_users - 1:
+                assert self.p.stage is Stage.FORWARD
+        assert self.p.stage is Stage.IDLE
+        assert self.shell.registered == "sharded", "a forward left the full parameters on"
+
+    @precondition(lambda self: self.p.stage is Stage.IDLE and self.lent_open == 0)
+    @rule()
+    def fault_mid_forward_then_reset(self) -> None:
+        """A forward raises; the next forward (or the user) resets the iteration."""
+        self._begin_iteration()
+        self.ev(Event.PRE_FORWARD, grad=True)
+        self.ev(Event.RESET, strict=False)
+        assert self.p == Phase(), f"reset left {self.p}"
+        assert not self.shell.live and self.shell.registered == "sharded"
+        self._after_reset()
+
+    def _after_reset(self) -> None:
+        self.open_iteration = False
+        self.tracked_uses = self.backwards_done = 0
+        self.held = self.double_backward = False
+        self.lent_open = 0
+        self.shell.closes = self.shell.reductions = 0
+        self.shell.gathers = self.shell.frees = 0
+
+    @precondition(lambda self: self.p.stage is not Stage.SUMMON_FULL_PARAMS)
+    @rule()
+    def reset(self) -> None:
+        """``reset_iter_state()`` at any point outside summon."""
+        self.ev(Event.RESET, strict=False)
+        assert self.p == Phase()
+        assert not self.shell.live and self.shell.registered == "sharded"
+        self._after_reset()
+
+    @precondition(
+        lambda self: self.tracked_uses > self.backwards_done
+        and self.p.stage is not Stage.FORWARD
+        and self.p.stage is not Stage.SUMMON_FULL_PARAMS
+    )
+    @rule(recompute=st.booleans(), prefetch=st.booleans())
+    def backward_of_a_use(self, recompute: bool, prefetch: bool) -> None:
+        """The backward reaches one use's outputs, then its parameters (``.grad``)."""
+        if prefetch:
+            self.ev(Event.PREFETCH_FOR_BACKWARD)
+        self.ev(Event.PRE_BACKWARD)
+        if self.c.unshard_in_backward:
+            assert self.shell.live
+        if recompute:
+            self.ev(Event.RECOMPUTE)
+            assert self.shell.live and self.shell.registered == "full"
+        before = self.shell.reductions
+        self.ev(Event.POST_BACKWARD)
+        self.backwards_done += 1
+        assert self.shell.reductions == before + 1, "a use's backward must reduce once"
+        last = self.backwards_done == self.tracked_uses
+        assert self.shell.closes == (1 if last else 0), (
+            f"{self.shell.closes} closing reductions after {self.backwards_done} of "
+            f"{self.tracked_uses} uses"
+        )
+
+    @precondition(
+        lambda self: self.tracked_uses > self.backwards_done
+        and self.p.stage in (Stage.IDLE, Stage.PRE_BACKWARD, Stage.POST_BACKWARD)
+    )
+    @rule(create_graph=st.booleans())
+    def autograd_grad_of_a_use(self, create_graph: bool) -> None:
+        """``torch.autograd.grad`` reaches one use's parameters (returned, not into .grad)."""
+        self.ev(Event.PRE_BACKWARD)
+        self.ev(Event.RETURNED_BACKWARD, grad=create_graph)
+        self.backwards_done += 1
+        self.double_backward = create_graph
+        if create_graph and self.c.unshard_in_backward:
+            assert self.shell.live, "a create_graph backward keeps the full parameters"
+
+    @precondition(lambda self: self.open_iteration and self.p.stage is not Stage.FORWARD)
+    @rule(last=st.booleans())
+    def final_callback(self, last: bool) -> None:
+        """The backward is over (every use's, or only some of them)."""
+        self.ev(Event.FINAL_CALLBACK, last=last)
+        assert self.p.stage is Stage.IDLE
+        assert self.shell.registered == "sharded"
+        assert self.p.grad_uses == self.p.backward_uses == 0
+        assert self.shell.closes <= 1
+        keep = self.double_backward or not self.c.reshard_after_backward
+        if not keep:
+            assert not self.shell.live, "the step's end left the full parameters"
+            assert self.shell.gathers == self.shell.frees, (
+                f"{self.shell.gathers} gathers, {self.shell.frees} frees in the step"
+            )
+        self.open_iteration = False
+        self.tracked_uses = self.backwards_done = 0
+        self.double_backward = False
+        self.lent_open = 0
+        self.shell.closes = self.shell.reductions = 0
+        if not self.shell.live:
+            self.shell.gathers = self.shell.frees = 0
+
+    @precondition(lambda self: self.c.lends and self.p.stage is Stage.IDLE)
+    @rule(grad=st.booleans(), backward=st.booleans())
+    def tied_use_by_another_group(self, grad: bool, backward: bool) -> None:
+        """Another group's module forwards with a tied weight (and maybe runs its backward)."""
+        self._begin_iteration()
+        if Act.MAKE_OUTPUTS in self.ev(Event.LENT_FULL, grad=grad):
+            self.tracked_uses += 1
+        self.lent_open += 1
+        assert self.shell.live
+        self.ev(Event.LENT_DONE, after_backward=False)
+        self.lent_open -= 1
+        if backward:
+            self.ev(Event.LENT_LIVE)
+            self.lent_open += 1
+            assert self.shell.live
+            self.ev(Event.LENT_RECOMPUTE)
+            self.ev(Event.LENT_DONE, after_backward=True)
+            self.lent_open -= 1
+
+    @precondition(lambda self: self.p.stage is Stage.IDLE and not self.open_iteration)
+    @rule()
+    def explicit_unshard(self) -> None:
+        self.ev(Event.UNSHARD)
+        self.held = True
+        assert self.shell.live and self.shell.registered == "full"
+
+    @precondition(lambda self: self.p.stage is Stage.IDLE and not self.open_iteration)
+    @rule()
+    def explicit_reshard(self) -> None:
+        self.ev(Event.RESHARD, strict=False)
+        self.held = False
+        assert not self.shell.live and self.shell.registered == "sharded"
+        self.shell.gathers = self.shell.frees = 0
+
+    @precondition(lambda self: self.p.stage is Stage.IDLE and not self.open_iteration)
+    @rule(write=st.booleans())
+    def summon(self, write: bool) -> None:
+        self.ev(Event.ENTER_SUMMON)
+        assert self.p.stage is Stage.SUMMON_FULL_PARAMS
+        if write:
+            self.ev(Event.SHARDS_WRITTEN, strict=False)
+            assert not self.shell.live
+            self.shell.gathers = self.shell.frees = 0
+        self.ev(Event.EXIT_SUMMON)
+        self.held = False
+        assert self.p.stage is Stage.IDLE and self.shell.registered == "sharded"
+
+    @rule(data=st.data())
+    def illegal_event(self, data: st.DataObject) -> None:
+        """An event the stage does not take: a named error, the phase unchanged."""
+        illegal = [e for e, ok in L._ACCEPTS.items() if self.p.stage not in ok]
+        if not illegal:
+            return
+        e = data.draw(st.sampled_from(illegal))
+        before = self.p
+        with pytest.raises(LifecycleError) as info:
+            L.advance(self.p, e, self.c, group="blocks.0")
+        text = str(info.value)
+        assert "blocks.0" in text and self.p.stage.value in text and e.name in text
+        assert self.p is before
+
+    # --------------------------------------------------------------- invariants
+
+    @invariant()
+    def storage_says_what_the_buffer_holds(self) -> None:
+        if not hasattr(self, "p"):
+            return
+        if self.p.storage in (Storage.SHARDED, Storage.ROWS):
+            assert not self.shell.live, f"{self.p.storage} with a live buffer"
+        elif self.p.storage in (Storage.UNSHARDED, Storage.KEPT):
+            assert self.shell.live, f"{self.p.storage} without a live buffer"
+
+    @invariant()
+    def idle_modules_hold_the_sharded_parameters(self) -> None:
+        if not hasattr(self, "p"):
+            return
+        if self.p.stage is Stage.IDLE and not self.held:
+            assert self.shell.registered == "sharded"
+
+
+LifecycleMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None
+)
+test_lifecycle_machine = LifecycleMachine.TestCase
+
+
+# ------------------------------------------------------------------- single cases
+
+
+def test_module_called_twice_reduces_each_use_and_closes_on_the_last() -> None:
+    c, p = LifecycleConfig(), Phase()
+    acts: list[tuple[Act, ...]] = []
+    for e, kw in [
+        (Event.START_ITERATION, {}),
+        (Event.PRE_FORWARD, {"grad": True}),
+        (Event.POST_FORWARD, {}),
+        (Event.PRE_FORWARD, {"grad": True}),
+        (Event.POST_FORWARD, {}),
+        (Event.PRE_BACKWARD, {}),
+        (Event.POST_BACKWARD, {}),
+        (Event.PRE_BACKWARD, {}),
+        (Event.POST_BACKWARD, {}),
+    ]:
+        p, a = L.advance(p, e, c, **kw)
+        acts.append(a)
+    assert p.grad_uses == 2 and p.backward_uses == 2
+    assert Act.REDUCE in acts[6] and Act.REDUCE_LAST in acts[8]
+
+
+def test_illegal_event_names_the_group_the_stage_and_the_fix() -> None:
+    with pytest.raises(LifecycleError, match=r"'layers\.3' got POST_FORWARD .* stage 'idle'"):
+        L.advance(Phase(), Event.POST_FORWARD, LifecycleConfig(), group="layers.3")
+    with pytest.raises(StateError, match="accepted only in 'summon_full_params'"):
+        L.advance(Phase(), Event.EXIT_SUMMON, LifecycleConfig())
+    inside = attrs.evolve(Phase(), stage=Stage.SUMMON_FULL_PARAMS)
+    with pytest.raises(LifecycleError, match="Leave summon_full_params"):
+        L.advance(inside, Event.PRE_FORWARD, LifecycleConfig(), grad=True)
+
+
+def test_every_event_has_a_handler() -> None:
+    assert set(L._HANDLERS) == set(Event)
+
+
+def test_model_checking_catches_a_seeded_bug(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A seeded bug: every use's reduction closes the micro-batch (the double reduction of a
+    module called twice). The machine test finds it."""
+
+    def every_use_closes(p: Phase, c: LifecycleConfig, *rest: bool) -> L.Step:
+        p2, acts = _post_backward(p, c, *rest)
+        return p2, tuple(Act.REDUCE_LAST if a is Act.REDUCE else a for a in acts)
+
+    _post_backward = L._HANDLERS[Event.POST_BACKWARD]
+    monkeypatch.setitem(L._HANDLERS, Event.POST_BACKWARD, every_use_closes)
+    with pytest.raises(AssertionError, match="closing reductions"):
+        run_state_machine_as_test(
+            LifecycleMachine,
+            settings=settings(
+                max_examples=300,
+                stateful_step_count=30,
+                deadline=None,
+                database=None,
+                phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
+                suppress_health_check=list(hypothesis.HealthCheck),
+            ),
+        )
+
+
+def test_model_checking_catches_a_leaked_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second seeded bug: the final callback forgets to free when the group's backward
+    never ran (a forward under no_grad, a use whose output the loss ignores)."""
+
+    def keeps_the_buffer(p: Phase, c: LifecycleConfig, *rest: bool) -> L.Step:
+        p2, acts = _final(p, c, *rest)
+        if p.ran_post_backward:
+            return p2, acts
+        return attrs.evolve(p2, storage=p.storage), tuple(a for a in acts if a is not Act.FREE)
+
+    _final = L._HANDLERS[Event.FINAL_CALLBACK]
+    monkeypatch.setitem(L._HANDLERS, Event.FINAL_CALLBACK, keeps_the_buffer)
+    with pytest.raises(AssertionError):
+        run_state_machine_as_test(
+            LifecycleMachine,
+            settings=settings(
+                max_examples=300,
+                stateful_step_count=30,
+                deadline=None,
+                database=None,
+                phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
+                suppress_health_check=list(hypothesis.HealthCheck),
+            ),
+        )
