@@ -174,9 +174,11 @@ class LifecycleMachine(RuleBasedStateMachine):
         self._after_reset()
 
     @precondition(
-        lambda self: self.tracked_uses > self.backwards_done
-        and self.p.stage is not Stage.FORWARD
-        and self.p.stage is not Stage.SUMMON_FULL_PARAMS
+        lambda self: (
+            self.tracked_uses > self.backwards_done
+            and self.p.stage is not Stage.FORWARD
+            and self.p.stage is not Stage.SUMMON_FULL_PARAMS
+        )
     )
     @rule(recompute=st.booleans(), prefetch=st.booleans())
     def backward_of_a_use(self, recompute: bool, prefetch: bool) -> None:
@@ -200,8 +202,10 @@ class LifecycleMachine(RuleBasedStateMachine):
         )
 
     @precondition(
-        lambda self: self.tracked_uses > self.backwards_done
-        and self.p.stage in (Stage.IDLE, Stage.PRE_BACKWARD, Stage.POST_BACKWARD)
+        lambda self: (
+            self.tracked_uses > self.backwards_done
+            and self.p.stage in (Stage.IDLE, Stage.PRE_BACKWARD, Stage.POST_BACKWARD)
+        )
     )
     @rule(create_graph=st.booleans())
     def autograd_grad_of_a_use(self, create_graph: bool) -> None:
