@@ -36,6 +36,7 @@ ALLOWED_INTERNAL = {
     "transitions": {"errors", "_tree", "layout", "records", "reduction", "comm", "codec"},
     "coalesce": {"errors", "records", "comm", "reduction", "transitions"},
     "lifecycle": {"errors"},
+    "plan": {"coalesce"},
 }
 
 

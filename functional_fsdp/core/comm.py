@@ -33,6 +33,7 @@ __all__ = [
     "ThenWork",
     "Work",
     "check_comm",
+    "coalesces",
     "collective_or_copy",
     "uses_pieces",
     "work_done",
@@ -102,6 +103,13 @@ class ThenWork:
         """Whether the collective completed (the continuation may not have run yet);
         ``None`` when ``work`` cannot say."""
         return work_done(self._work)
+
+
+def coalesces(comm: object) -> bool:
+    """Whether ``comm`` can run a bucket of several groups' collectives as one (its optional
+    ``coalesces`` capability: a process group's communicator declares it; custom
+    collectives, wrappers and the simulated world do not)."""
+    return bool(getattr(comm, "coalesces", False))
 
 
 @runtime_checkable

@@ -321,7 +321,7 @@ class LifecycleMachine(RuleBasedStateMachine):
 
 
 LifecycleMachine.TestCase.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None
+    max_examples=60, stateful_step_count=30, deadline=None
 )
 test_lifecycle_machine = LifecycleMachine.TestCase
 

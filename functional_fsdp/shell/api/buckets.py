@@ -30,13 +30,14 @@ reduce-scatters still coalesce).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import attrs
 
-from ...core.coalesce import Bucket, CommunicationSchedule, plan_buckets
-from ..comm.custom import CustomCollectiveComm, base_comm
+from ...core.coalesce import Bucket, CommunicationSchedule
+from ...core.plan import GroupPlanFacts, gathers_together, plan_schedule
+from ..comm.custom import base_comm
 from ..engine.coalesced import ReduceBucket
 from ..engine.group import ParamGroup
 from ..engine.tied import TiedUse
@@ -98,56 +99,18 @@ class Schedule:
         return bool(bucket) and bucket[-1] is state
 
 
-def _eligible(state: Scheduled) -> bool:
-    """Whether a state's group may share a collective with others (a static check; the
-    engine checks the dynamic part at every start: ``ParamGroup.coalesce_gather``)."""
-    g = state.group
-    return (
-        g is not None
-        and not state.tied
-        and not g.lends
-        and g.forward_users == 1
-        and g.slot.codecs is None
-        and not g.offload
-        and g.sub_comm is None
-        and g.comm.world_size > 1
-        and not isinstance(g.comm, CustomCollectiveComm)
-        and base_comm(g.comm) is not None
-    )
-
-
-def _key(state: Scheduled) -> object:
-    """Groups share a bucket only over the same process group and with one wire dtype."""
+def _facts(state: Scheduled) -> GroupPlanFacts:
+    """What the plan reads of a state's group: its bytes, its route (a bucket never changes
+    process group or wire dtype) and whether it may share a collective now (the engine asks
+    the same rule again at every start: ``ParamGroup.coalesce_gather``)."""
     g = state.group
     assert g is not None
     base = base_comm(g.comm)
-    return (id(base.group) if base is not None else None, g.layout.gather_buffer_dtype)
-
-
-def _cut(
-    states: Sequence[Scheduled], bucket_bytes: int
-) -> tuple[tuple[Bucket, ...], dict[int, tuple[Scheduled, ...]]]:
-    """Buckets over ``states`` (those with a group, each group once, in order)."""
-    order = _first_uses(states)
-    names = [f"{s.name}#{i}" for i, s in enumerate(order)]
-    ok = [_eligible(s) for s in order]
-    sizes = [s.group.layout.unsharded_bytes if s.group is not None else 0 for s in order]
-    # A change of process group or wire dtype closes a bucket: plan each run separately.
-    buckets: list[Bucket] = []
-    start = 0
-    for i in range(1, len(order) + 1):
-        if i == len(order) or not ok[i] or not ok[i - 1] or _key(order[i]) != _key(order[i - 1]):
-            buckets.extend(plan_buckets(names[start:i], sizes[start:i], ok[start:i], bucket_bytes))
-            start = i
-    by_name = dict(zip(names, order))
-    members: dict[int, tuple[Scheduled, ...]] = {}
-    out = []
-    for b in buckets:
-        group = tuple(by_name[n] for n in b.groups)
-        for s in group:
-            members[id(s)] = group
-        out.append(Bucket(tuple(s.name for s in group), b.unsharded_bytes))
-    return tuple(out), members
+    return GroupPlanFacts(
+        unsharded_bytes=g.layout.unsharded_bytes,
+        route=(id(base.group) if base is not None else None, g.layout.gather_buffer_dtype),
+        shares=gathers_together(attrs.evolve(g.sharing_facts(), tied=bool(state.tied))),
+    )
 
 
 def _first_uses(order: Sequence[Scheduled]) -> list[Scheduled]:
@@ -171,29 +134,52 @@ def derive(
     *,
     gathers: bool = True,
 ) -> Schedule:
-    """The schedule of a root's recorded orders with buckets of ``bucket_bytes``; gives
-    each group of a backward bucket of several groups that bucket's reduce-scatter (and every
-    other of the root's ``groups`` none)."""
-    fwd, fmembers = _cut(forward_order, bucket_bytes)
-    bwd, bmembers = _cut(list(post_forward_order)[::-1], bucket_bytes)
-    red, rmembers = _cut(_first_uses(forward_order)[::-1], bucket_bytes)
-    reduce_buckets = []
+    """The schedule of a root's recorded orders with buckets of ``bucket_bytes``
+    (:func:`~functional_fsdp.core.plan.plan_schedule`); gives each group of a reduce bucket
+    of several groups that bucket's reduce-scatter (and every other of the root's ``groups``
+    none)."""
+    fwd = _first_uses(forward_order)
+    bwd = _first_uses(list(post_forward_order)[::-1])
+    states = {id(s): s for s in (*fwd, *bwd)}
+    name = {k: f"{s.name}#{i}" for i, (k, s) in enumerate(states.items())}
+    by_name = {name[k]: s for k, s in states.items()}
+    plan = plan_schedule(
+        [name[id(s)] for s in fwd],
+        [name[id(s)] for s in bwd],
+        [name[id(s)] for s in fwd[::-1]],
+        {n: _facts(s) for n, s in by_name.items()},
+        bucket_bytes,
+        # (A last forward that reuses a group used before ends in no bucket of its own.)
+        keep_last=bool(forward_order) and forward_order[-1] is fwd[-1],
+    )
+
+    def shown(bs: tuple[Bucket, ...]) -> tuple[Bucket, ...]:
+        return tuple(
+            Bucket(tuple(by_name[n].name for n in b.groups), b.unsharded_bytes) for b in bs
+        )
+
+    def members(m: Mapping[str, tuple[str, ...]]) -> dict[int, tuple[Scheduled, ...]]:
+        return {id(by_name[n]): tuple(by_name[x] for x in b) for n, b in m.items()}
+
     for g in groups:
         g.join_reduce_bucket(None)
-    done: set[int] = set()
-    for group in rmembers.values():
-        if len(group) > 1 and id(group[0]) not in done:
-            done.add(id(group[0]))
-            members: list[ParamGroup] = [s.group for s in group if s.group is not None]
-            bucket = ReduceBucket(members)
-            for g in members:
-                g.join_reduce_bucket(bucket)
-            reduce_buckets.append(bucket)
-    record = CommunicationSchedule(max(bucket_bytes, 0), fwd, bwd, red)
-    # The last forward bucket keeps its buffers for the backward: only groups that may share
-    # a collective (others keep FSDP2's gathers, e.g. a custom all-gather counts its calls),
-    # and only a bucket within the size.
-    last = fmembers.get(id(forward_order[-1]), ()) if forward_order else ()
-    fits = sum(s.group.layout.unsharded_bytes for s in last if s.group is not None) <= bucket_bytes
-    kept = frozenset(id(s) for s in last if fits and _eligible(s))
-    return Schedule(record, gathers, fmembers, bmembers, tuple(reduce_buckets), kept)
+    reduce_buckets = []
+    for names in plan.reduce:
+        reducers = [r for n in names if (r := by_name[n].group) is not None]
+        bucket = ReduceBucket(reducers)
+        for r in reducers:
+            r.join_reduce_bucket(bucket)
+        reduce_buckets.append(bucket)
+    sched = plan.schedule
+    record = CommunicationSchedule(
+        sched.bucket_bytes, shown(sched.forward), shown(sched.backward), shown(sched.reduce)
+    )
+    kept = frozenset(id(by_name[n]) for n in plan.kept)
+    return Schedule(
+        record,
+        gathers,
+        members(plan.forward),
+        members(plan.backward),
+        tuple(reduce_buckets),
+        kept,
+    )

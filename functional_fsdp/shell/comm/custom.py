@@ -125,6 +125,7 @@ class _Delegating:
 
     supports_pieces = False
     pieces_min_bytes = 0
+    coalesces = False  # a user's collectives (or a hook) run per group
     inner: Communicator
 
     @property

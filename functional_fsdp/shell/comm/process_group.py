@@ -89,6 +89,9 @@ class ProcessGroupComm:
             replacements everywhere).
     """
 
+    # Capability (core.comm.coalesces): several groups' collectives may run as one bucket.
+    coalesces = True
+
     def __init__(self, group: dist.ProcessGroup | None = None, *, strategy: str = "auto") -> None:
         if strategy not in ("auto", "native", "p2p"):
             raise ValueError(f"strategy must be 'auto', 'native' or 'p2p', got {strategy!r}")

@@ -97,6 +97,11 @@ class ScopedComm:
         return ScopedComm(self.base, key, kinds=self.kinds, name=label)
 
     @property
+    def coalesces(self) -> bool:
+        """Capability: its process group's (several groups' collectives as one bucket)."""
+        return self.base.coalesces
+
+    @property
     def rank(self) -> int:
         """This rank's index in the group."""
         return self.base.rank

@@ -25,11 +25,12 @@ from torch.autograd.graph import Node
 from torch.distributed.tensor import DTensor
 
 from ...core import transitions as T
-from ...core.comm import Communicator, uses_pieces
+from ...core.comm import Communicator, coalesces, uses_pieces
 from ...core.compression import GradCompression
+from ...core.plan import ReduceFacts, reduces_together
 from ...core.records import GroupLayout, ShardedState
 from ...core.reproducible import PendingTreeReduce
-from ..comm.custom import CustomCollectiveComm, with_all_reduce_hook
+from ..comm.custom import with_all_reduce_hook
 from ..comm.process_group import ProcessGroupComm
 from ..device.runtime import DeviceRuntime
 from . import ordering
@@ -216,14 +217,16 @@ class GroupGradients:
         plain reduce-scatter (no compression, custom reduce-scatter, all-reduce hook,
         reproducible tree, gradient-sync-off accumulation or pieces path)."""
         cfg = self.config
-        return (
-            self.tree is None
-            and cfg.grad_compression is None
-            and cfg.all_reduce_hook is None
-            and cfg.requires_gradient_sync
-            and self.comm.world_size > 1
-            and not isinstance(self.comm, CustomCollectiveComm)
-            and not uses_pieces(self.comm, self.layout.unsharded_bytes)
+        return reduces_together(
+            ReduceFacts(
+                world_size=self.comm.world_size,
+                coalesces=coalesces(self.comm),
+                sync=cfg.requires_gradient_sync,
+                plain=self.tree is None
+                and cfg.grad_compression is None
+                and cfg.all_reduce_hook is None
+                and not uses_pieces(self.comm, self.layout.unsharded_bytes),
+            )
         )
 
     def reduce_copy_in(

@@ -32,9 +32,10 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from ...core import transitions as T
-from ...core.comm import Communicator
+from ...core.comm import Communicator, coalesces
 from ...core.errors import ReproducibilityError
 from ...core.lifecycle import Act, Event, LifecycleConfig, Phase, advance
+from ...core.plan import SharingFacts, gathers_together
 from ...core.records import (
     CPUOffloadPolicy,
     GroupLayout,
@@ -693,18 +694,26 @@ class ParamGroup(GroupGradients, GroupLending):
 
     # ------------------------------------------------------------------ coalescing
 
+    def sharing_facts(self) -> SharingFacts:
+        """What decides whether this group's all-gather may share a bucket now
+        (:func:`~functional_fsdp.core.plan.gathers_together`)."""
+        return SharingFacts(
+            world_size=self.comm.world_size,
+            coalesces=coalesces(self.comm),
+            offload=self.offload,
+            codecs=self.slot.codecs is not None,
+            keeps_rows=self.config.keeps_gather_output
+            or (self._post_forward_state is not None and self.sub_comm is not None),
+            lends=self.lends,
+            forward_users=self.forward_users,
+        )
+
     def coalesce_gather(self) -> tuple[GatherSlot, ShardedState, int] | None:
         """What a bucket's one all-gather needs from this group (its slot, its shards and
         their version), or ``None`` when this group gathers alone now: already unsharded or in
         flight, tensor-subclass codecs, CPU offload, rows kept for ``reshard_after_forward=k``,
         custom collectives, or one rank."""
-        if (
-            self.offload
-            or self.comm.world_size == 1
-            or isinstance(self.comm, CustomCollectiveComm)
-            or self.config.keeps_gather_output
-            or (self._post_forward_state is not None and self.sub_comm is not None)
-        ):
+        if not gathers_together(self.sharing_facts()):
             return None
         now = self.drop_stale()
         if not self.slot.ready_to_coalesce():
