@@ -127,7 +127,7 @@ class LifecycleConfig:
     offload: bool = False
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)
 class Phase:
     """A group's control state.
 

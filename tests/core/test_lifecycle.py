@@ -127,11 +127,16 @@ class LifecycleMachine(RuleBasedStateMachine):
             self.shell.reductions = 0
 
     @precondition(lambda self: self.p.stage is Stage.IDLE and self.lent_open == 0)
-    @rule(grad=st.booleans())
-    def forward(self, grad: bool) -> None:
-        """The group's modules run their forward (every module of a list-form group)."""
+    @rule(grad=st.booleans(), uses=st.integers(1, 3))
+    def forward(self, grad: bool, uses: int) -> None:
+        """The group's modules run their forward (every module of a list-form group), once
+        or several times in a row (a module called twice in one forward)."""
         self._begin_iteration()
         self.held = False
+        for _ in range(uses):
+            self._one_forward(grad)
+
+    def _one_forward(self, grad: bool) -> None:
         for _ in range(self.c.forward_users):
             # A use whose backward reduces is one whose outputs are made now (a lending
             # group's later uses take the iteration's outputs: one backward for all of them).
@@ -180,9 +185,15 @@ class LifecycleMachine(RuleBasedStateMachine):
             and self.p.stage is not Stage.SUMMON_FULL_PARAMS
         )
     )
-    @rule(recompute=st.booleans(), prefetch=st.booleans())
-    def backward_of_a_use(self, recompute: bool, prefetch: bool) -> None:
-        """The backward reaches one use's outputs, then its parameters (``.grad``)."""
+    @rule(recompute=st.booleans(), prefetch=st.booleans(), every=st.booleans())
+    def backward_of_a_use(self, recompute: bool, prefetch: bool, every: bool) -> None:
+        """The backward reaches one use's outputs, then its parameters (``.grad``); with
+        ``every``, then the other uses' too."""
+        self._backward_of_a_use(recompute, prefetch)
+        while every and self.tracked_uses > self.backwards_done:
+            self._backward_of_a_use(recompute, prefetch)
+
+    def _backward_of_a_use(self, recompute: bool, prefetch: bool) -> None:
         if prefetch:
             self.ev(Event.PREFETCH_FOR_BACKWARD)
         self.ev(Event.PRE_BACKWARD)
@@ -381,6 +392,7 @@ def test_model_checking_catches_a_seeded_bug(monkeypatch: pytest.MonkeyPatch) ->
                 stateful_step_count=30,
                 deadline=None,
                 database=None,
+                derandomize=True,  # the same search on every run: it finds the bug
                 phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
                 suppress_health_check=list(hypothesis.HealthCheck),
             ),
@@ -407,6 +419,7 @@ def test_model_checking_catches_a_leaked_buffer(monkeypatch: pytest.MonkeyPatch)
                 stateful_step_count=30,
                 deadline=None,
                 database=None,
+                derandomize=True,  # the same search on every run: it finds the bug
                 phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
                 suppress_health_check=list(hypothesis.HealthCheck),
             ),

@@ -69,6 +69,7 @@ class GroupGradients:
     _requires_grad: tuple[bool, ...]
     _advise: Callable[[torch.Tensor], None]
     tp: Any  # the TensorParallelPlan, or None
+    _decided: dict[Any, bool]  # the plan's answers under the current settings
     # ... and the methods it calls
     configure: Callable[..., None]
     base_comms: Callable[[], list[ProcessGroupComm]]
@@ -216,18 +217,21 @@ class GroupGradients:
         """Whether this group's reduction may travel in a bucket now: the packed path of a
         plain reduce-scatter (no compression, custom reduce-scatter, all-reduce hook,
         reproducible tree, gradient-sync-off accumulation or pieces path)."""
-        cfg = self.config
-        return reduces_together(
-            ReduceFacts(
-                world_size=self.comm.world_size,
-                coalesces=coalesces(self.comm),
-                sync=cfg.requires_gradient_sync,
-                plain=self.tree is None
-                and cfg.grad_compression is None
-                and cfg.all_reduce_hook is None
-                and not uses_pieces(self.comm, self.layout.unsharded_bytes),
+        known = self._decided.get("reduce")
+        if known is None:  # the facts change only with the settings (the cache's clearer)
+            cfg = self.config
+            known = self._decided["reduce"] = reduces_together(
+                ReduceFacts(
+                    world_size=self.comm.world_size,
+                    coalesces=coalesces(self.comm),
+                    sync=cfg.requires_gradient_sync,
+                    plain=self.tree is None
+                    and cfg.grad_compression is None
+                    and cfg.all_reduce_hook is None
+                    and not uses_pieces(self.comm, self.layout.unsharded_bytes),
+                )
             )
-        )
+        return known
 
     def reduce_copy_in(
         self, grads: Sequence[torch.Tensor | None], out: torch.Tensor | None = None

@@ -161,6 +161,10 @@ class ParamGroup(GroupGradients, GroupLending):
         # The control state (core/lifecycle.py): the only record the phase methods change.
         self.phase = Phase()
         self._lc: LifecycleConfig | None = None  # its settings, rebuilt when they change
+        # advance's answers under _lc, and the plan's sharing answers (caches of pure
+        # functions, cleared by _settings_changed).
+        self._transitions: dict[tuple[Any, ...], tuple[Phase, tuple[Act, ...]]] = {}
+        self._decided: dict[Any, bool] = {}
         self._abandoned = AbandonedWork()  # in-flight work a failed step left, until it lands
         # fully_shard([m1, m2]): the modules sharing this group.
         self.forward_users = forward_users
@@ -175,7 +179,7 @@ class ParamGroup(GroupGradients, GroupLending):
         self._holders = tuple(sp.holders for sp in sps)
         self._requires_grad = tuple(sp.requires_grad for sp in sps)
         self._trains = any(self._requires_grad)
-        self._lc = None  # the life cycle reads whether the group trains
+        self._settings_changed()  # the life cycle reads whether the group trains
 
     @property
     def params(self) -> tuple[torch.nn.Parameter, ...]:
@@ -215,6 +219,7 @@ class ParamGroup(GroupGradients, GroupLending):
     def _relayout(self, layout: GroupLayout) -> None:
         """Take ``layout`` (new parameter dtypes) and each parameter's new spec."""
         self.layout = layout
+        self._settings_changed()
         placements, specs = self._dtensor_specs(layout)
         for sp, s, pl, ds in zip(self.sharded_params, layout.specs, placements, specs):
             sp.relayout(s, pl, ds)
@@ -237,7 +242,7 @@ class ParamGroup(GroupGradients, GroupLending):
                 "drop that setting, or shard without reproducible="
             )
         self.config = new
-        self._lc = None
+        self._settings_changed()
 
     def use_custom_collectives(self, **kw: Any) -> None:
         """Run the all-gather and/or reduce-scatter through FSDP2 ``AllGather`` /
@@ -256,6 +261,7 @@ class ParamGroup(GroupGradients, GroupLending):
             setattr(self, attr, inner if ag is None and rs is None else wrapped)
         # A gather in flight went through the old communicator: drop it (it is waited first).
         self.discard_pending()
+        self._settings_changed()
 
     def use_gather_codecs(self, layout: GroupLayout, slot: GatherSlot) -> None:
         """All-gather through tensor-subclass codecs from now on (``fully_shard``, once):
@@ -263,6 +269,7 @@ class ParamGroup(GroupGradients, GroupLending):
         self.layout = layout
         self.state = attrs.evolve(self.state, layout=layout)
         self.slot = slot
+        self._settings_changed()
 
     def use_runtime(self, runtime: DeviceRuntime) -> None:
         """Run on ``runtime`` from now on: the root's (its lazy init: one set of streams and
@@ -520,12 +527,49 @@ class ParamGroup(GroupGradients, GroupLending):
             offload=self.offload,
         )
 
-    def _event(self, event: Event, **facts: bool) -> tuple[Act, ...]:
-        """Advance the life cycle by ``event``; return the actions to carry out."""
-        lc = self._lc
-        if lc is None:
-            lc = self._lc = self._lifecycle_config()
-        self.phase, acts = advance(self.phase, event, lc, group=self.name, **facts)
+    def _settings_changed(self) -> None:
+        """A setting, a communicator or the layout changed: rebuild the life cycle's settings
+        and forget the answers of the life cycle and the plan (pure functions of them)."""
+        self._lc = None
+        self._transitions = {}
+        self._decided = {}
+
+    def _event(
+        self,
+        event: Event,
+        grad: bool = False,
+        force: bool = False,
+        keep: bool = False,
+        last: bool = True,
+        after_backward: bool = False,
+    ) -> tuple[Act, ...]:
+        """Advance the life cycle by ``event``; return the actions to carry out.
+
+        :func:`~functional_fsdp.core.lifecycle.advance` is pure, so its answers are
+        remembered per group: from the second step on, a steady step's events are lookups
+        (a group meets a handful of phases), and the step stays on the shell's side.
+        """
+        key = (self.phase, event, grad, force, keep, last, after_backward)
+        known = self._transitions.get(key)
+        if known is None:
+            lc = self._lc
+            if lc is None:
+                lc = self._lc = self._lifecycle_config()
+            known = advance(
+                self.phase,
+                event,
+                lc,
+                grad=grad,
+                force=force,
+                keep=keep,
+                last=last,
+                after_backward=after_backward,
+                group=self.name,
+            )
+            if len(self._transitions) > 1024:  # counters that grow without bound: start over
+                self._transitions.clear()
+            self._transitions[key] = known
+        self.phase, acts = known
         return acts
 
     def _carry_out(
@@ -713,7 +757,11 @@ class ParamGroup(GroupGradients, GroupLending):
         their version), or ``None`` when this group gathers alone now: already unsharded or in
         flight, tensor-subclass codecs, CPU offload, rows kept for ``reshard_after_forward=k``,
         custom collectives, or one rank."""
-        if not gathers_together(self.sharing_facts()):
+        rows = self._post_forward_state is not None and self.sub_comm is not None
+        shares = self._decided.get(rows)
+        if shares is None:  # the other facts change only with the settings
+            shares = self._decided[rows] = gathers_together(self.sharing_facts())
+        if not shares:
             return None
         now = self.drop_stale()
         if not self.slot.ready_to_coalesce():

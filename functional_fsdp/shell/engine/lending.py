@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ...core.lifecycle import Act, Event, LifecycleConfig, Phase
+from ...core.lifecycle import Act, Event, Phase
 from .autograd import UseFn
 from .config import GroupConfig
 from .param import Holders, ShardedParam
@@ -43,10 +43,10 @@ class GroupLending:
     phase: Phase
     sharded_params: tuple[ShardedParam, ...]
     _requires_grad: tuple[bool, ...]
-    _lc: LifecycleConfig | None
     # ... and the methods it calls
     _event: Callable[..., tuple[Act, ...]]
     _carry_out: Callable[..., Any]
+    _settings_changed: Callable[[], None]
 
     def _init_lending(self) -> None:
         """Nothing lent (``ParamGroup.__init__``)."""
@@ -67,7 +67,7 @@ class GroupLending:
         forward."""
         self.sharded_params[index].lend(holders)
         self.lends = True
-        self._lc = None
+        self._settings_changed()
 
     def register_lent_sharded(self) -> None:
         """Put the sharded parameters on the other groups' modules that use them."""
