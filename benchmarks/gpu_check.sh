@@ -19,7 +19,7 @@ fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$out/env.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/env.txt"
-timeout 120 python3 -m pytest tests/test_streams_engine.py -m gpu -q -s -p no:cacheprovider \
+timeout 120 python3 -m pytest tests/device/test_streams_engine.py -m gpu -q -s -p no:cacheprovider \
   2>&1 | tail -20 | tee "$out/gpu_tests.txt"
 run() {  # run NAME SECONDS ARGS...: one bench_cuda invocation, its table lines shown
   local name="$1" secs="$2"

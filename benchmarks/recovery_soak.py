@@ -1,6 +1,6 @@
 """Soak test for surviving a lost rank: many runs per kill point, victims varied.
 
-Each run is the end-to-end harness of ``tests/test_recovery.py``: 4 gloo ranks train a small
+Each run is the end-to-end harness of ``tests/recovery/test_recovery.py``: 4 gloo ranks train a small
 GPT for 3 steps with ``keep_neighbour_copies``; in step 1 one rank SIGKILLs itself at the kill
 point (forward, backward, inside a gradient reduction, inside ``optimizer.step()``, or between
 steps) and the survivors call ``rebuild_on_survivors`` and redo the step. A run passes when
@@ -19,9 +19,10 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+_TESTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+sys.path[:0] = [os.path.join(_TESTS, "recovery"), _TESTS]
 
-import test_recovery as harness
+import test_recovery as harness  # noqa: E402  (found through the path above)
 
 POINTS = ("forward", "backward", "reduce_scatter", "optimizer", "between")
 

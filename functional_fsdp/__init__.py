@@ -3,7 +3,7 @@
 The top level is lazy: ``import functional_fsdp`` (and any pure core module such as
 ``functional_fsdp.core.layout``, ``core.records``, ``core.transitions`` or ``testing``) loads
 only the core. The imperative shell (``fully_shard``, checkpoints, ``torch.distributed``) and
-the functional API load on first use of one of their names. ``tests/test_architecture.py``
+the functional API load on first use of one of their names. ``tests/integration/test_architecture.py``
 checks this in a subprocess.
 """
 

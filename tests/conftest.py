@@ -11,10 +11,20 @@ Warnings are errors (``filterwarnings`` in ``pyproject.toml``).
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+# The tests mirror the package (tests/core, tests/engine, ...); their helpers (_dist, _helpers,
+# strategies, ...) live here, and a rank spawned by a test imports the test's module by name:
+# every test folder is importable by module name, in the parent and in its spawned ranks.
+_TESTS = Path(__file__).resolve().parent
+for _d in [_TESTS, *sorted(p for p in _TESTS.iterdir() if p.is_dir() and p.name[0] not in "._")]:
+    if str(_d) not in sys.path:
+        sys.path.insert(0, str(_d))
 
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.register_profile(

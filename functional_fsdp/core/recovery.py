@@ -13,7 +13,7 @@ restore: :class:`Restorable`), :func:`active_world_size` how many of them train 
 here knows about processes or failures: the shell detects them, builds the survivors'
 communicator, and calls this per group (parameters and optimizer state alike). The property that
 the result equals sharding the same full tensors for the new world directly is checked in the
-simulated world (``tests/test_recovery_core.py``).
+simulated world (``tests/core/test_recovery_core.py``).
 """
 
 from __future__ import annotations

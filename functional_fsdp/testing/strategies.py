@@ -136,7 +136,7 @@ def _arrange(draw: st.DrawFn, leaves: list[torch.Tensor], *, root: bool, depth: 
     Plain recursion inside one composite, drawing only booleans and small integers: no
     rejection sampling (``st.sets``) and no nested strategies, so hypothesis never discards an
     example for depth or for failed uniqueness (measured: 36% of examples were discarded by
-    the earlier nested-composite version; ``tests/test_strategies.py`` checks the rate now).
+    the earlier nested-composite version; ``tests/core/test_strategies.py`` checks the rate now).
     """
     if not root and len(leaves) == 1 and draw(st.booleans()):
         return leaves[0]

@@ -19,8 +19,8 @@ A violation raises :class:`StreamOrderError` at the access that breaks the order
 ``strict=False``, is recorded in :attr:`StreamSimulator.violations`). A buffer's history lives
 as long as its storage: memory freed by Python and handed out again starts afresh. On real
 hardware such a race shows up rarely and silently (stale or half-written parameters); here it
-fails the test that runs the program. ``tests/test_stream_simulator.py`` seeds four bugs on
-purpose in small programs, ``tests/test_streams_engine.py`` the same four in the engine (a
+fails the test that runs the program. ``tests/device/test_stream_simulator.py`` seeds four bugs on
+purpose in small programs, ``tests/device/test_streams_engine.py`` the same four in the engine (a
 missing wait, a missing event before a free, a copy-out on the wrong stream, a reduction
 reading a gradient too early), and shows each is caught.
 

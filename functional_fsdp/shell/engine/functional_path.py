@@ -20,7 +20,7 @@ Per-call state lives in :class:`GatherCall` records owned by the autograd graph 
 The root's hooks enter and leave this path in :mod:`functional_fsdp.shell.api.functional_call`
 (two small branches in ``shell/api/state.py``); nothing else in the shell knows about it.
 
-Transforms (each claim is a test in ``tests/test_functional_step.py``; see
+Transforms (each claim is a test in ``tests/functional/test_functional_step.py``; see
 ``docs/functional.md``): ``grad`` and ``vjp`` w.r.t. the parameters, and ``grad``, ``jvp`` and
 ``vmap`` w.r.t. the inputs work. ``vmap`` over the sharded parameters, batched gradients
 (``jacrev``, ``vmap(grad(...))``) and higher-order derivatives raise ``NotImplementedError``

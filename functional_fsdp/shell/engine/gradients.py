@@ -11,7 +11,7 @@ reduce-scatter input) or the root's final callback, and then lands in ``.grad``
 reduced shards are returned to autograd, not accumulated (:class:`OwnReduction`).
 
 The fields here are the group's (its ``__init__`` calls :meth:`~GroupGradients._init_gradients`);
-only the group's modules write them (``tests/test_architecture.py``).
+only the group's modules write them (``tests/integration/test_architecture.py``).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ A group is one object in three rooms: this module (parameters, settings, the uns
 the phases), :mod:`.gradients` (reduction into ``.grad``, its base
 :class:`~.gradients.GroupGradients`) and :mod:`.lending` (weights tied across groups, its base
 :class:`~.lending.GroupLending`). Nothing outside them and :mod:`.param` assigns a group's
-fields (``tests/test_architecture.py``).
+fields (``tests/integration/test_architecture.py``).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ live while any use is open, and is resharded as after the owner's own forward or
 when the last one closes.
 
 The fields here are the group's (its ``__init__`` calls :meth:`~GroupLending._init_lending`);
-only the group's modules write them (``tests/test_architecture.py``).
+only the group's modules write them (``tests/integration/test_architecture.py``).
 """
 
 from __future__ import annotations

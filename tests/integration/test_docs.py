@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 SKIP = "# doctest: +SKIP"
 BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
@@ -174,7 +174,7 @@ def _test_functions() -> dict[str, bool]:
     import ast
 
     out: dict[str, bool] = {}
-    for path in DOCS.parent.joinpath("tests").glob("test_*.py"):
+    for path in DOCS.parent.joinpath("tests").rglob("test_*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
                 marks = [ast.unparse(d) for d in node.decorator_list]
@@ -187,7 +187,7 @@ def test_fsdp2_mapping_names_tests_that_exist_and_xfails_that_are_marked() -> No
     calls its test an xfail (a known failure) names one that is marked so: a fixed failure
     must not stay documented as open."""
     tests = _test_functions()
-    modules = {p.stem for p in DOCS.parent.joinpath("tests").glob("test_*.py")}
+    modules = {p.stem for p in DOCS.parent.joinpath("tests").rglob("test_*.py")}
     for line in (DOCS / "fsdp2_mapping.md").read_text().splitlines():
         for name in re.findall(r"\b(test_\w+)", line):
             assert name in tests or name in modules, f"docs/fsdp2_mapping.md names {name}"

@@ -1,4 +1,4 @@
-"""Neighbour copies (issue "Lose a rank, lose no step", its first part) on 4 gloo ranks.
+"""Neighbour copies (the first part of surviving a lost rank) on 4 gloo ranks.
 
 After every optimizer step each rank holds its neighbour's sharded parameters and Adam state
 (``keep_neighbour_copies``). The copies must equal what the neighbour holds bit for bit, and

@@ -1,4 +1,4 @@
-"""Drop-in error types (issue 13): each FSDP2 user mistake runs against torch's ``fully_shard``
+"""Drop-in error types: each FSDP2 user mistake runs against torch's ``fully_shard``
 and ours on every rank of a 2-rank gloo world; ours must be an instance of the exception type
 FSDP2 raised (and a named ``FSDPError``). Rows ours accepts on purpose, and known gaps, are
 listed with their reasons. The table in ``docs/fsdp2_mapping.md`` summarises it.
@@ -233,7 +233,7 @@ ACCEPTED = {
     "tied_across_groups": "the first group owns the weight and lends it (docs/design.md)",
 }
 # Mistakes where ours is not yet drop-in; each needs a change in a shell file owned by another
-# part of issue 13's work (listed in the report). Strict: a fixed row fails until removed here.
+# part of the drop-in errors' work (listed in the report). Strict: a fixed row fails until removed here.
 KNOWN_GAPS: dict[str, str] = {}
 
 
@@ -254,7 +254,7 @@ def test_errors_are_drop_in_for_fsdp2(world2: World) -> None:
     assert not problems, problems
 
 
-# ----------------------------------------------------------- issue 18: FSDP2 contracts
+# ----------------------------------------------------------- FSDP2 contracts
 
 
 def _shard1_all(p):

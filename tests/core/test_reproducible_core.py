@@ -1,5 +1,5 @@
 """The reproducible reduction in the core, in the simulated world: the same bits for every
-world size (issue "Reproducible at any scale")."""
+world size."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The engine on the stream-ordering simulator (issue 24).
+"""The engine on the stream-ordering simulator.
 
 Every copy-in, all-gather, copy-out, reduction and free of a training step goes through the
 group's device runtime (``shell/engine/ordering.py``). Here that runtime is the

@@ -1,5 +1,5 @@
-"""Re-sharding to the survivors of a lost rank, in the simulated world (issue "Lose a rank,
-lose no step"): the pure part."""
+"""Re-sharding to the survivors of a lost rank, in the simulated world: the pure part of
+surviving a lost rank."""
 
 from __future__ import annotations
 

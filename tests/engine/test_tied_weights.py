@@ -1,4 +1,4 @@
-"""Weights tied across groups (issue 21): ``head.weight is tok.weight`` with the embedding and the
+"""Weights tied across groups: ``head.weight is tok.weight`` with the embedding and the
 head sharded as separate groups (and the blocks as groups) trains like one process.
 
 The model is the test GPT with ``tie_weights=True`` and a vocabulary of 61 rows, so the tied

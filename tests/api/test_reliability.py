@@ -1,4 +1,4 @@
-"""Bad input, damaged checkpoints and drop-in error types (issue 13).
+"""Bad input, damaged checkpoints and drop-in error types.
 
 Each test names the misuse it feeds in. Checkpoint cases save a real checkpoint on the 2-rank
 gloo world into ``tmp_path`` and then damage it from the test process: a storage path that leaves

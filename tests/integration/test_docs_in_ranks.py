@@ -1,6 +1,6 @@
 """The multi-rank snippets of docs/reproducibility.md and docs/recovery.md, run on real ranks.
 
-Their ```python blocks that need ranks carry ``# doctest: +SKIP`` (``tests/test_docs.py`` only
+Their ```python blocks that need ranks carry ``# doctest: +SKIP`` (``tests/integration/test_docs.py`` only
 compiles those). Here every block of each file runs verbatim, in order, in one namespace on
 every rank of ``run_local``, after a harness defines what the text leaves to the reader (a
 model, a loader, ``build``, ``train_step``, the store): the contract loop on 1 and 2 ranks must

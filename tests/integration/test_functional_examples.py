@@ -16,7 +16,7 @@ import pytest
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 TIMEOUT_S = 240
 
 # The command each test runs, longest first: the module starts the selected ones two at a time

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = "functional_fsdp"
-ROOT = Path(__file__).resolve().parent.parent / PACKAGE
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 CORE_DIR = ROOT / "core"
 # Every module of the core, found on disk (a new one cannot escape the checks below; each
 # must also say what it may import in ALLOWED_INTERNAL).
@@ -321,11 +321,11 @@ def test_every_test_module_that_spawns_ranks_is_marked_multiprocess() -> None:
     """``-m 'not multiprocess'`` must leave only single-process tests: a module that uses a
     real gloo world (the ``world2``/``world4`` fixtures, ``World``, ``run_local``) carries the
     marker."""
-    tests = ROOT.parent / "tests"
+    tests = ROOT.parent / "tests"  # every folder of it
     spawns = ("world2", "world4", "from _dist import World", "run_local(")
     unmarked = [
         p.name
-        for p in sorted(tests.glob("test_*.py"))
+        for p in sorted(tests.rglob("test_*.py"))
         if p.name != Path(__file__).name  # this file names the fixtures without using them
         and any(s in (text := p.read_text()) for s in spawns)
         and "mark.multiprocess" not in text

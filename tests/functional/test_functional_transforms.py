@@ -1,7 +1,7 @@
 """Composable transformations, schedules, inject_hyperparams and pytrees (one process).
 
 The bit-exact claims are against ``torch.optim`` on plain tensors; the same chains on the sharded
-model over 2 ranks are in ``tests/test_functional_api.py``.
+model over 2 ranks are in ``tests/functional/test_functional_api.py``.
 """
 
 from __future__ import annotations

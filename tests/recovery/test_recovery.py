@@ -1,4 +1,4 @@
-"""Lose a rank, lose no step (issue 23), end to end on gloo ranks killed with SIGKILL.
+"""Lose a rank, lose no step, end to end on gloo ranks killed with SIGKILL.
 
 Each world is 4 ranks, spawned by the test with a store the test hosts (it outlives every
 rank). A rank kills itself (``os.kill(os.getpid(), SIGKILL)``, after writing the time to the

@@ -1,4 +1,4 @@
-"""Coalesced collectives (issue 22): adjacent small groups gather and reduce-scatter together.
+"""Coalesced collectives: adjacent small groups gather and reduce-scatter together.
 
 Coalescing changes who travels together, not what is summed, so every case trains the same
 small deep GPT twice on real gloo ranks, with coalescing off (``bucket_bytes=0``: one collective

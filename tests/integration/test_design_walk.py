@@ -21,7 +21,7 @@ import pytest
 
 pytestmark = pytest.mark.multiprocess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "functional_fsdp"
 # Measured (2 blocks + root, 2 ranks): 92, from 98 before the life cycle and the plan were
 # remembered per group. A ratchet: lower it as the shell thins.

@@ -34,7 +34,7 @@ def case_peak_unsharded(recipe: str) -> dict:
     sees the true peak; freeing only lowers it.
     """
     model = _build("ours", recipe)
-    # FSDP2's contract, one collective per group (coalesced buckets: tests/test_coalesce.py).
+    # FSDP2's contract, one collective per group (coalesced buckets: tests/engine/test_coalesce.py).
     model.set_bucket_bytes(0)
     groups = [b._ffsdp_state.group for b in model.blocks]
     peak = {"groups": 0, "bytes": 0}
@@ -153,7 +153,7 @@ def case_errors() -> list[str]:
     )
 
     # A parameter tied across two groups that compute in different dtypes (a tie across
-    # groups is otherwise shared: tests/test_tied_weights.py).
+    # groups is otherwise shared: tests/engine/test_tied_weights.py).
     a, b = nn.Linear(4, 4), nn.Linear(4, 4)
     b.weight = a.weight
     fully_shard(a)

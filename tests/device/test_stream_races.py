@@ -7,7 +7,7 @@ unfinished ``.grad``): a missing ``wait_stream`` / ``wait_event``, an event reco
 collective's ``work.wait()``, a free after too few events or after the wrong one, a wait on the
 wrong event, work on the wrong stream; across the gather, the copy-out, the reduce-scatter, the
 HSDP all-reduce, coalesced buckets, CPU offload, the reproducible all-to-all and the optimizer
-step. None is one of the four bugs ``tests/test_streams_engine.py`` plants by replacing a whole
+step. None is one of the four bugs ``tests/device/test_streams_engine.py`` plants by replacing a whole
 function. The edited source is executed as a module of its own and its functions replace the
 live ones for one run (the engine calls them as ``ordering.<name>``): the same effect as
 editing the file, without a process per race.

@@ -6,7 +6,7 @@ The paths: ``loss.backward()``, ``torch.func.functional_call`` with the module's
 (taken fresh, after a training step, after an evaluation forward, after a training forward) and
 with substituted ones, ``torch.func.grad``, ``torch.autograd.grad`` over ``model.parameters()``
 taken after the forward, and the functional step. Then the legal programs that gave wrong numbers
-or a broken state without an error (issue 18): an evaluation forward before the optimizer is
+or a broken state without an error: an evaluation forward before the optimizer is
 built or between ``backward()`` and ``step()``, the EMA recipe, a parameter with fewer rows than
 ranks beside an empty one, and training on after a forward that raised. Where torch FSDP2 is
 wrong on the same program the test says so by running it too (docs/fsdp2_mapping.md).

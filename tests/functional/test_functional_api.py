@@ -1,4 +1,4 @@
-"""The functional API as an optax user expects it, over 2 gloo ranks (issue 12, issue 11 items).
+"""The functional API as an optax user expects it, over 2 gloo ranks.
 
 Composable optimizers on the sharded model (bit-exact with ``clip_grad_norm_`` + AdamW), the
 step's metrics and ``has_aux``, errors raised up front (donated state reused, a torch optimizer
