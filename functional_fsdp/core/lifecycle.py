@@ -36,9 +36,13 @@ __all__ = [
     "Event",
     "LifecycleConfig",
     "Phase",
+    "RootAct",
+    "RootEvent",
+    "RootPhase",
     "Stage",
     "Storage",
     "advance",
+    "advance_root",
 ]
 
 
@@ -572,3 +576,78 @@ _HANDLERS: Final[dict[Event, _Handler]] = {
     Event.LENT_RECOMPUTE: _lent_recompute,
     Event.SETTLE: _settle,
 }
+
+
+# ---------------------------------------------------------------------- the root's iteration
+
+
+@attrs.frozen(cache_hash=True)
+class RootPhase:
+    """The root's control state: where the model is in its iteration.
+
+    Attributes:
+        in_forward: a forward through the root is running (prefetch follows the recorded
+            order only then).
+        callback_queued: the backward began and its final callback is queued.
+        interrupted: a forward raised since the last reset.
+        order_recorded: the first forward recorded the order groups run in.
+    """
+
+    in_forward: bool = False
+    callback_queued: bool = False
+    interrupted: bool = False
+    order_recorded: bool = False
+
+
+class RootEvent(enum.Enum):
+    """What the hooks hand the root."""
+
+    FORWARD_BEGINS = "the root's pre-forward (outside backward)"
+    FORWARD_ENDS = "the root's post-forward"
+    FORWARD_RAISED = "a forward through the model raised"
+    FORWARD_REFUSED = "a forward was refused in its pre-forward (nothing started)"
+    BACKWARD_BEGINS = "a group's pre-backward"
+    FINAL_CALLBACK = "the backward's final callback"
+    RESET = "reset_iter_state()"
+
+
+class RootAct(enum.Enum):
+    """What the shell does for a root event."""
+
+    RESET_FIRST = "reset the iteration a raised forward or backward left (as reset_iter_state)"
+    START_ITERATIONS = "every group starts its iteration; wait the user's post-optimizer event"
+    FORGET_PREFETCHES = "drop all-gathers prefetched and not used; the forward's memory ends"
+    QUEUE_CALLBACK = "queue the final callback on autograd's engine"
+    FINISH_GROUPS = "finish every group's backward (reductions, groups without gradients)"
+
+
+def advance_root(p: RootPhase, e: RootEvent) -> tuple[RootPhase, tuple[RootAct, ...]]:
+    """The root's phase after ``e`` and the actions that carry it out, in order.
+
+    A forward that begins while the previous forward raised, or while a backward's callback
+    is still queued (a backward that raised before it ran), first resets: every rank then does
+    what ``reset_iter_state()`` does, and the forward starts clean.
+    """
+    if e is RootEvent.FORWARD_BEGINS:
+        acts: tuple[RootAct, ...] = ()
+        if p.interrupted or p.callback_queued:
+            acts = (RootAct.RESET_FIRST,)
+        new = RootPhase(True, False, False, p.order_recorded)
+        return new, acts + (RootAct.START_ITERATIONS,)
+    if e is RootEvent.FORWARD_ENDS:
+        return attrs.evolve(p, in_forward=False, order_recorded=True), (RootAct.FORGET_PREFETCHES,)
+    if e is RootEvent.FORWARD_RAISED:
+        return attrs.evolve(p, interrupted=True), _NO_ROOT_ACTS
+    if e is RootEvent.FORWARD_REFUSED:
+        return attrs.evolve(p, in_forward=False), _NO_ROOT_ACTS
+    if e is RootEvent.BACKWARD_BEGINS:
+        if p.callback_queued:
+            return p, _NO_ROOT_ACTS
+        return attrs.evolve(p, callback_queued=True), (RootAct.QUEUE_CALLBACK,)
+    if e is RootEvent.FINAL_CALLBACK:
+        return attrs.evolve(p, callback_queued=False), (RootAct.FINISH_GROUPS,)
+    # RESET
+    return RootPhase(order_recorded=p.order_recorded), _NO_ROOT_ACTS
+
+
+_NO_ROOT_ACTS: Final[tuple[RootAct, ...]] = ()

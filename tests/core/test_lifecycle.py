@@ -30,7 +30,7 @@ from typing import Any
 import attrs
 import hypothesis
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -424,3 +424,26 @@ def test_model_checking_catches_a_leaked_buffer(monkeypatch: pytest.MonkeyPatch)
                 suppress_health_check=list(hypothesis.HealthCheck),
             ),
         )
+
+
+# ------------------------------------------------------------------- the root's iteration
+
+
+@given(events=st.lists(st.sampled_from(list(L.RootEvent)), max_size=30))
+def test_the_root_resets_a_raised_iteration_before_the_next_forward(events: list) -> None:
+    """Over any sequence of root events: a forward that begins after a raised forward, or
+    while a backward's callback is queued, resets first; one callback is queued per backward;
+    a reset keeps only the recorded order."""
+    p = L.RootPhase()
+    for e in events:
+        q, acts = L.advance_root(p, e)
+        if e is L.RootEvent.FORWARD_BEGINS:
+            assert (L.RootAct.RESET_FIRST in acts) == (p.interrupted or p.callback_queued)
+            assert q.in_forward and not q.interrupted and not q.callback_queued
+        if e is L.RootEvent.BACKWARD_BEGINS:
+            assert (L.RootAct.QUEUE_CALLBACK in acts) == (not p.callback_queued)
+            assert q.callback_queued
+        if e is L.RootEvent.RESET:
+            assert q == L.RootPhase(order_recorded=p.order_recorded)
+        assert q.order_recorded >= p.order_recorded  # once recorded, the order stays
+        p = q

@@ -563,7 +563,17 @@ CONTROL_FLAGS = (
     "lent_open",
     "_own_open",
     "_outputs_fresh",
+    # the root's iteration (core/lifecycle.py RootPhase)
+    "in_forward",
+    "callback_queued",
+    "interrupted",
+    "order_recorded",
 )
+# Where each control record is written: the interpreter's advance and the constructor.
+CONTROL_WRITERS = {
+    "phase": ("shell/engine/group.py", ("_event", "__init__")),
+    "root_phase": ("shell/api/state.py", ("_root_event", "__init__")),
+}
 
 
 def _assigned_attributes(tree: ast.AST) -> list[tuple[str, str, int]]:
@@ -586,19 +596,20 @@ def _assigned_attributes(tree: ast.AST) -> list[tuple[str, str, int]]:
 
 
 def test_the_control_state_has_one_writer() -> None:
-    """A group's control state is its ``phase`` record, written only where the life cycle
-    advances (``ParamGroup._event``) and set up (``__init__``); the flags it replaced are
-    written nowhere in the package."""
+    """A group's control state is its ``phase`` record, the root's its ``root_phase``, each
+    written only where its machine advances (``ParamGroup._event``,
+    ``FSDPState._root_event``) and set up (``__init__``); the flags they replaced are written
+    nowhere in the package."""
     bad = []
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         for fn, attr, line in _assigned_attributes(ast.parse(path.read_text())):
             if attr in CONTROL_FLAGS:
                 bad.append(f"{rel}:{line} {fn} writes .{attr}")
-            if attr == "phase" and not (
-                rel == "shell/engine/group.py" and fn in ("_event", "__init__")
+            if attr in CONTROL_WRITERS and not (
+                rel == CONTROL_WRITERS[attr][0] and fn in CONTROL_WRITERS[attr][1]
             ):
-                bad.append(f"{rel}:{line} {fn} writes .phase")
+                bad.append(f"{rel}:{line} {fn} writes .{attr}")
     assert not bad, f"advance the life cycle (ParamGroup._event) instead: {bad}"
 
 

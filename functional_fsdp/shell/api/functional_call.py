@@ -19,6 +19,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from ...core.errors import UnsupportedError
+from ...core.lifecycle import RootAct, RootEvent
 from ..engine.autograd import GatherFn
 from ..engine.functional_path import (
     FunctionalForward,
@@ -52,10 +53,18 @@ class ForwardState(Protocol):
 
     group: ParamGroup | None
     depth: int
-    in_forward: bool
     functional: Functional | None
     tied: list[TiedUse]
     lent_calls: dict[int, LentCall]
+
+    @property
+    def in_forward(self) -> bool:
+        """Root: a forward through it is running."""
+        ...
+
+    def _root_event(self, event: RootEvent) -> tuple[RootAct, ...]:
+        """Root: advance its iteration (``FSDPState._root_event``)."""
+        ...
 
     @property
     def root(self) -> ForwardState | None:
@@ -160,7 +169,7 @@ def _refuse_transform_over_tp(state: ForwardState, states: Sequence[ForwardState
     ):
         state.depth = max(0, state.depth - 1)
         if state.is_root and state.root is not None:
-            state.root.in_forward = False
+            state.root._root_event(RootEvent.FORWARD_REFUSED)
         raise UnsupportedError(TP_TRANSFORM_MESSAGE)
 
 

@@ -15,6 +15,7 @@ from torch.autograd import Variable
 
 from ...core.coalesce import CommunicationSchedule
 from ...core.errors import PolicyError, ReproducibilityError, StateError, TiedParameterError
+from ...core.lifecycle import RootAct, RootEvent, RootPhase, advance_root
 from ...core.records import MixedPrecisionPolicy
 from ..comm.scoped import introduce, resync
 from ..device.runtime import DeviceRuntime
@@ -57,11 +58,11 @@ class FSDPState:
         # Backward runs in reverse post-forward order (the root finishes forward last and
         # starts backward first; then the last block).
         self.post_forward_order: list[FSDPState] = []
-        self.order_recorded = False
-        self.callback_queued = False
+        # Root: the iteration's control state (core/lifecycle.py RootPhase), advanced only by
+        # _root_event; in_forward, callback_queued, interrupted, order_recorded read it.
+        self.root_phase = RootPhase()
         self.is_last_backward = True
         self.user_reshard_after_forward: bool | int | None = None
-        self.in_forward = False
         # Nesting depth of this state's forward (a forward method registered with
         # register_fsdp_forward_method that calls forward runs the hooks twice).
         self.depth = 0
@@ -72,8 +73,6 @@ class FSDPState:
         # One token per module call in progress (the post hook marks it; the always-called
         # exit hook pops it): an unmarked token means the forward raised.
         self.calls: list[list[bool]] = []
-        # Root: a forward raised since the last reset; the next forward resets first.
-        self.interrupted = False
         # Root: the event the user recorded after the optimizer step (set_post_optim_event):
         # the next forward's gather streams wait for it, then it is dropped (FSDP2's).
         self.post_optim_event: Any = None
@@ -90,6 +89,34 @@ class FSDPState:
     @property
     def is_root(self) -> bool:
         return self.root is self
+
+    # ------------------------------------------------------------------ the root's iteration
+
+    @property
+    def in_forward(self) -> bool:
+        """Root: a forward through it is running."""
+        return self.root_phase.in_forward
+
+    @property
+    def callback_queued(self) -> bool:
+        """Root: the backward began and its final callback is queued."""
+        return self.root_phase.callback_queued
+
+    @property
+    def interrupted(self) -> bool:
+        """Root: a forward raised since the last reset (the next forward resets first)."""
+        return self.root_phase.interrupted
+
+    @property
+    def order_recorded(self) -> bool:
+        """Root: the first forward recorded the order its groups run in."""
+        return self.root_phase.order_recorded
+
+    def _root_event(self, event: RootEvent) -> tuple[RootAct, ...]:
+        """Advance the root's iteration (:func:`~functional_fsdp.core.lifecycle.advance_root`);
+        return the actions to carry out."""
+        self.root_phase, acts = advance_root(self.root_phase, event)
+        return acts
 
     # ------------------------------------------------------------------ lazy init
 
@@ -197,7 +224,11 @@ class FSDPState:
         root = self.root
         assert root is not None
         g = self.group
-        if self.is_root and (root.interrupted or root.callback_queued) and not _in_backward():
+        if (
+            self.is_root
+            and not _in_backward()
+            and RootAct.RESET_FIRST in advance_root(root.root_phase, RootEvent.FORWARD_BEGINS)[1]
+        ):
             # The previous forward raised, or a backward raised before its final callback ran
             # (the callback is still queued: reductions in flight, groups mid-backward), and
             # nobody called reset_iter_state(). Do now what it does, on every rank alike.
@@ -218,11 +249,12 @@ class FSDPState:
         if self.depth > 1:
             return args, kwargs
         if self.is_root:
-            root.in_forward = True
-            for s in root.all_states:
-                if s.group is not None:
-                    s.group.start_iteration()
-            self._wait_post_optim_event()
+            for act in root._root_event(RootEvent.FORWARD_BEGINS):
+                if act is RootAct.START_ITERATIONS:  # (RESET_FIRST ran above, with its warning)
+                    for s in root.all_states:
+                        if s.group is not None:
+                            s.group.start_iteration()
+                    self._wait_post_optim_event()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if not root.order_recorded:
@@ -349,9 +381,7 @@ class FSDPState:
                 use.post_forward()
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
-        if self.is_root:
-            self.order_recorded = True
-            self.in_forward = False
+        if self.is_root and RootAct.FORGET_PREFETCHES in self._root_event(RootEvent.FORWARD_ENDS):
             for s in self.all_states:
                 if s.group is not None and s.group.pending is not None:
                     s.group.discard_pending()
@@ -366,8 +396,7 @@ class FSDPState:
     def _pre_backward(self, grad: Any) -> None:
         root = self.root
         assert root is not None
-        if not root.callback_queued:
-            root.callback_queued = True
+        if RootAct.QUEUE_CALLBACK in root._root_event(RootEvent.BACKWARD_BEGINS):
             Variable._execution_engine.queue_callback(root._final_callback)
         plan = root.schedule()
         if plan is not None and plan.gathers and not self.tied and plan.rest(self, True):
@@ -411,7 +440,7 @@ class FSDPState:
             self._finish_backward()
 
     def _finish_backward(self) -> None:
-        self.callback_queued = False
+        self._root_event(RootEvent.FINAL_CALLBACK)  # FINISH_GROUPS: the rest of this method
         if self._schedule is not None:
             for bucket in self._schedule.reduce_buckets:  # members that got no gradient
                 bucket.flush()
@@ -439,9 +468,7 @@ class FSDPState:
             for use in s.tied:
                 use.finish()
         if self.root is not None:
-            self.root.callback_queued = False
-            self.root.in_forward = False
-            self.root.interrupted = False
+            self.root._root_event(RootEvent.RESET)
         # Collectives the failed step left behind must never pair with the next step's: every
         # rank agrees on a fresh epoch of tags (peers still waiting are told to give up).
         bases: list[Any] = []
@@ -558,7 +585,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
             # As the module's always-called exit hook does for forward: the next forward
             # resets what this one left half done.
             if not _in_backward():
-                (state.root or state).interrupted = True
+                (state.root or state)._root_event(RootEvent.FORWARD_RAISED)
             raise
         return state.post_forward(self, args, out)
 
@@ -585,7 +612,7 @@ def hooks_for(state: FSDPState) -> tuple[Callable, Callable, Callable]:
         # (An activation-checkpoint recompute in backward stops early by raising inside the
         # module on purpose: that is not a failed forward.)
         if not finished and not _in_backward():
-            (state.root or state).interrupted = True
+            (state.root or state)._root_event(RootEvent.FORWARD_RAISED)
 
     # Under torch.compile the hooks run eagerly (a graph break on each side of the module's
     # forward, which compiles): they gather, register tensors on modules and start
