@@ -61,6 +61,7 @@ class FSDPState:
         # Root: the iteration's control state (core/lifecycle.py RootPhase), advanced only by
         # _root_event; in_forward, callback_queued, interrupted, order_recorded read it.
         self.root_phase = RootPhase()
+        self._root_transitions: dict[tuple[Any, ...], tuple[RootPhase, tuple[RootAct, ...]]] = {}
         self.is_last_backward = True
         self.user_reshard_after_forward: bool | int | None = None
         # Nesting depth of this state's forward (a forward method registered with
@@ -112,10 +113,18 @@ class FSDPState:
         """Root: the first forward recorded the order its groups run in."""
         return self.root_phase.order_recorded
 
+    def _root_answer(self, event: RootEvent) -> tuple[RootPhase, tuple[RootAct, ...]]:
+        """:func:`~functional_fsdp.core.lifecycle.advance_root` from the root's phase now
+        (pure, so remembered: a steady step's root events are lookups)."""
+        key = (self.root_phase, event)
+        known = self._root_transitions.get(key)
+        if known is None:
+            known = self._root_transitions[key] = advance_root(self.root_phase, event)
+        return known
+
     def _root_event(self, event: RootEvent) -> tuple[RootAct, ...]:
-        """Advance the root's iteration (:func:`~functional_fsdp.core.lifecycle.advance_root`);
-        return the actions to carry out."""
-        self.root_phase, acts = advance_root(self.root_phase, event)
+        """Advance the root's iteration; return the actions to carry out."""
+        self.root_phase, acts = self._root_answer(event)
         return acts
 
     # ------------------------------------------------------------------ lazy init
@@ -227,7 +236,7 @@ class FSDPState:
         if (
             self.is_root
             and not _in_backward()
-            and RootAct.RESET_FIRST in advance_root(root.root_phase, RootEvent.FORWARD_BEGINS)[1]
+            and RootAct.RESET_FIRST in root._root_answer(RootEvent.FORWARD_BEGINS)[1]
         ):
             # The previous forward raised, or a backward raised before its final callback ran
             # (the callback is still queued: reductions in flight, groups mid-backward), and
