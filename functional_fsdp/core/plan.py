@@ -7,7 +7,7 @@ Two questions decide how a step's collectives travel, and each is answered here 
   (:class:`SharingFacts`, :class:`ReduceFacts`) that the shell fills from a group. The
   plan asks when it is derived; the engine asks again when it starts a collective (a setting
   may have changed since, e.g. ``set_reshard_after_forward(2)`` keeps rows).
-- **Which groups travel together in each phase?** :func:`plan_schedule` cuts the recorded
+- **Which groups travel together in each phase?** :func:`derive_plan` cuts the recorded
   orders (the forward's, the backward's gathers, the post-backwards') into buckets of
   adjacent groups that may share and run over the same route (process group and wire dtype),
   and names the groups of the last forward bucket that keep their buffers for the backward.
@@ -33,7 +33,7 @@ __all__ = [
     "ReduceFacts",
     "SharingFacts",
     "gathers_together",
-    "plan_schedule",
+    "derive_plan",
     "reduces_together",
 ]
 
@@ -167,7 +167,7 @@ def _cut(
     return tuple(buckets), members
 
 
-def plan_schedule(
+def derive_plan(
     forward: Sequence[str],
     backward: Sequence[str],
     reduce: Sequence[str],
@@ -188,7 +188,7 @@ def plan_schedule(
 
     Example:
         >>> f = {n: GroupPlanFacts(4, "pg", True) for n in "abc"}
-        >>> p = plan_schedule("abc", "cba", "cba", f, 8)
+        >>> p = derive_plan("abc", "cba", "cba", f, 8)
         >>> p.forward["b"], sorted(p.kept)
         (('a', 'b'), ['c'])
     """

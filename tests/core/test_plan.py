@@ -12,8 +12,8 @@ from functional_fsdp.core.plan import (
     GroupPlanFacts,
     ReduceFacts,
     SharingFacts,
+    derive_plan,
     gathers_together,
-    plan_schedule,
     reduces_together,
 )
 
@@ -69,7 +69,7 @@ def test_buckets_cover_every_group_once_in_order_within_a_route(
     names = [f"g{i}" for i in range(len(groups))]
     facts = {n: GroupPlanFacts(b, r, s) for n, (b, r, s) in zip(names, groups)}
     backward = data.draw(st.permutations(names))
-    plan = plan_schedule(names, backward, names[::-1], facts, bucket_bytes)
+    plan = derive_plan(names, backward, names[::-1], facts, bucket_bytes)
     for order, buckets, members in (
         (names, plan.schedule.forward, plan.forward),
         (list(backward), plan.schedule.backward, plan.backward),
@@ -93,7 +93,7 @@ def test_buckets_cover_every_group_once_in_order_within_a_route(
 
 def test_off_means_one_collective_per_group_and_nothing_kept() -> None:
     facts = {n: GroupPlanFacts(1, "pg", True) for n in "abc"}
-    plan = plan_schedule("abc", "cba", "cba", facts, 0)
+    plan = derive_plan("abc", "cba", "cba", facts, 0)
     assert plan.schedule.collectives() == (3, 3, 3)
     assert plan.reduce == () and plan.kept == frozenset()
-    assert plan_schedule("abc", "cba", "cba", facts, 8, keep_last=False).kept == frozenset()
+    assert derive_plan("abc", "cba", "cba", facts, 8, keep_last=False).kept == frozenset()

@@ -36,13 +36,13 @@ from typing import Protocol
 import attrs
 
 from ...core.coalesce import Bucket, CommunicationSchedule
-from ...core.plan import GroupPlanFacts, gathers_together, plan_schedule
+from ...core.plan import GroupPlanFacts, derive_plan, gathers_together
 from ..comm.custom import base_comm
 from ..engine.coalesced import ReduceBucket
 from ..engine.group import ParamGroup
 from ..engine.tied import TiedUse
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "Schedule", "Scheduled", "derive"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "StepPlan", "Scheduled", "derive"]
 
 
 class Scheduled(Protocol):
@@ -58,7 +58,7 @@ DEFAULT_BUCKET_BYTES = 4 << 20
 
 
 @attrs.frozen(eq=False)
-class Schedule:
+class StepPlan:
     """The root's derived schedule: the record, and each state's bucket per phase.
 
     Attributes:
@@ -133,9 +133,9 @@ def derive(
     bucket_bytes: int,
     *,
     gathers: bool = True,
-) -> Schedule:
+) -> StepPlan:
     """The schedule of a root's recorded orders with buckets of ``bucket_bytes``
-    (:func:`~functional_fsdp.core.plan.plan_schedule`); gives each group of a reduce bucket
+    (:func:`~functional_fsdp.core.plan.derive_plan`); gives each group of a reduce bucket
     of several groups that bucket's reduce-scatter (and every other of the root's ``groups``
     none)."""
     fwd = _first_uses(forward_order)
@@ -143,7 +143,7 @@ def derive(
     states = {id(s): s for s in (*fwd, *bwd)}
     name = {k: f"{s.name}#{i}" for i, (k, s) in enumerate(states.items())}
     by_name = {name[k]: s for k, s in states.items()}
-    plan = plan_schedule(
+    plan = derive_plan(
         [name[id(s)] for s in fwd],
         [name[id(s)] for s in bwd],
         [name[id(s)] for s in fwd[::-1]],
@@ -175,7 +175,7 @@ def derive(
         sched.bucket_bytes, shown(sched.forward), shown(sched.backward), shown(sched.reduce)
     )
     kept = frozenset(id(by_name[n]) for n in plan.kept)
-    return Schedule(
+    return StepPlan(
         record,
         gathers,
         members(plan.forward),

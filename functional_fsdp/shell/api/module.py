@@ -242,14 +242,14 @@ class FSDPModule(TorchFSDPModule):
         _check_fsdp_modules(modules)
         self._ffsdp_state.explicit_forward_prefetch = [m._ffsdp_state for m in modules]
         if (root := self._ffsdp_state.root) is not None:
-            root.forget_schedule()  # explicit prefetch wins over coalesced gathers
+            root.forget_plan()  # explicit prefetch wins over coalesced gathers
 
     def set_modules_to_backward_prefetch(self, modules: list[Any]) -> None:
         """Explicit backward prefetch: all-gather these modules when this one's backward starts."""
         _check_fsdp_modules(modules)
         self._ffsdp_state.explicit_backward_prefetch = [m._ffsdp_state for m in modules]
         if (root := self._ffsdp_state.root) is not None:
-            root.forget_schedule()  # explicit prefetch wins over coalesced gathers
+            root.forget_plan()  # explicit prefetch wins over coalesced gathers
 
     def set_bucket_bytes(self, bucket_bytes: int) -> None:
         """Coalesce the collectives of adjacent small groups up to ``bucket_bytes`` of

@@ -85,7 +85,7 @@ class FSDPState:
         # The bucket size of the communication schedule (the root's governs; None: the
         # default), and the root's schedule, derived after its first forward (buckets.py).
         self.bucket_bytes: int | None = None
-        self._schedule: buckets.Schedule | None = None
+        self._plan: buckets.StepPlan | None = None
 
     @property
     def is_root(self) -> bool:
@@ -272,7 +272,7 @@ class FSDPState:
         # are gathered per call by the same engine; otherwise the group's own shards below.
         if functional_call.pre_forward(self):
             return args, kwargs
-        plan = root.schedule()
+        plan = root.plan()
         if plan is not None and plan.gathers and root.in_forward and plan.rest(self, False):
             # The derived schedule: this group's bucket starts (if its prefetch did not), and
             # the bucket's last group prefetches the next bucket, whole.
@@ -293,41 +293,41 @@ class FSDPState:
             use.pre_forward()
         return args, kwargs
 
-    def schedule(self) -> buckets.Schedule | None:
-        """Root: the communication schedule, derived from the recorded order on first use
+    def plan(self) -> buckets.StepPlan | None:
+        """Root: the step's communication plan, derived from the recorded order on first use
         (``None`` before the first forward recorded it, or with coalescing off)."""
         if not self.order_recorded:
             return None
-        if self._schedule is None:
+        if self._plan is None:
             size = buckets.DEFAULT_BUCKET_BYTES if self.bucket_bytes is None else self.bucket_bytes
             groups = [s.group for s in self.all_states if s.group is not None]
             explicit = any(
                 s.explicit_forward_prefetch is not None or s.explicit_backward_prefetch is not None
                 for s in self.all_states
             )
-            self._schedule = buckets.derive(
+            self._plan = buckets.derive(
                 self.forward_order,
                 self.post_forward_order,
                 groups,
                 size,
                 gathers=not explicit,
             )
-        return self._schedule if self._schedule.record.bucket_bytes > 0 else None
+        return self._plan if self._plan.record.bucket_bytes > 0 else None
 
     def schedule_record(self) -> CommunicationSchedule:
         """Root: the schedule as a record (after the first forward; bucket size 0 too)."""
-        self.schedule()
-        assert self._schedule is not None, "schedule_record before the first forward"
-        return self._schedule.record
+        self.plan()
+        assert self._plan is not None, "schedule_record before the first forward"
+        return self._plan.record
 
     def set_bucket_bytes(self, n: int) -> None:
         """Root: the bucket size from now on (the schedule is derived again)."""
         self.bucket_bytes = n
-        self.forget_schedule()
+        self.forget_plan()
 
-    def forget_schedule(self) -> None:
+    def forget_plan(self) -> None:
         """Root: derive the schedule again at its next use (a setting it reads changed)."""
-        self._schedule = None
+        self._plan = None
         for s in self.all_states:
             if s.group is not None:
                 s.group.join_reduce_bucket(None)
@@ -380,7 +380,7 @@ class FSDPState:
             # like every other group. So does the last forward bucket under the derived
             # schedule (its backward comes first), unless the user chose how it reshards.
             default = self.user_reshard_after_forward is None
-            plan = root.schedule() if tensors and default and root is not None else None
+            plan = root.plan() if tensors and default and root is not None else None
             g.post_forward(
                 force_reshard=not tensors and self.is_root and default,
                 keep=plan is not None and plan.keeps(self),
@@ -407,7 +407,7 @@ class FSDPState:
         assert root is not None
         if RootAct.QUEUE_CALLBACK in root._root_event(RootEvent.BACKWARD_BEGINS):
             Variable._execution_engine.queue_callback(root._final_callback)
-        plan = root.schedule()
+        plan = root.plan()
         if plan is not None and plan.gathers and not self.tied and plan.rest(self, True):
             # The derived schedule: the groups of this bucket that gather again in backward
             # start together; the bucket's last group prefetches the next bucket's.
@@ -450,8 +450,8 @@ class FSDPState:
 
     def _finish_backward(self) -> None:
         self._root_event(RootEvent.FINAL_CALLBACK)  # FINISH_GROUPS: the rest of this method
-        if self._schedule is not None:
-            for bucket in self._schedule.reduce_buckets:  # members that got no gradient
+        if self._plan is not None:
+            for bucket in self._plan.reduce_buckets:  # members that got no gradient
                 bucket.flush()
         for s in self.all_states:
             if s.group is not None:
