@@ -374,6 +374,22 @@ def test_every_event_has_a_handler() -> None:
     assert set(L._HANDLERS) == set(Event)
 
 
+def _hunt() -> None:
+    """Run the machine test long enough to find a planted bug (the same search every run)."""
+    run_state_machine_as_test(
+        LifecycleMachine,
+        settings=settings(
+            max_examples=300,
+            stateful_step_count=30,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
+            suppress_health_check=list(hypothesis.HealthCheck),
+        ),
+    )
+
+
 def test_model_checking_catches_a_seeded_bug(monkeypatch: pytest.MonkeyPatch) -> None:
     """A seeded bug: every use's reduction closes the micro-batch (the double reduction of a
     module called twice). The machine test finds it."""
@@ -385,18 +401,7 @@ def test_model_checking_catches_a_seeded_bug(monkeypatch: pytest.MonkeyPatch) ->
     _post_backward = L._HANDLERS[Event.POST_BACKWARD]
     monkeypatch.setitem(L._HANDLERS, Event.POST_BACKWARD, every_use_closes)
     with pytest.raises(AssertionError, match="closing reductions"):
-        run_state_machine_as_test(
-            LifecycleMachine,
-            settings=settings(
-                max_examples=300,
-                stateful_step_count=30,
-                deadline=None,
-                database=None,
-                derandomize=True,  # the same search on every run: it finds the bug
-                phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
-                suppress_health_check=list(hypothesis.HealthCheck),
-            ),
-        )
+        _hunt()
 
 
 def test_model_checking_catches_a_leaked_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -412,18 +417,7 @@ def test_model_checking_catches_a_leaked_buffer(monkeypatch: pytest.MonkeyPatch)
     _final = L._HANDLERS[Event.FINAL_CALLBACK]
     monkeypatch.setitem(L._HANDLERS, Event.FINAL_CALLBACK, keeps_the_buffer)
     with pytest.raises(AssertionError):
-        run_state_machine_as_test(
-            LifecycleMachine,
-            settings=settings(
-                max_examples=300,
-                stateful_step_count=30,
-                deadline=None,
-                database=None,
-                derandomize=True,  # the same search on every run: it finds the bug
-                phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
-                suppress_health_check=list(hypothesis.HealthCheck),
-            ),
-        )
+        _hunt()
 
 
 # ------------------------------------------------------------------- the root's iteration
