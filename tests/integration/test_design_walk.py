@@ -90,9 +90,21 @@ def test_the_walk_names_only_files_that_exist() -> None:
     assert not missing, f"docs/design.md's walk names files that do not exist: {missing}"
 
 
-def test_a_steady_step_runs_only_files_the_walk_names(world2: Any) -> None:
+@pytest.fixture(scope="module")
+def fresh_world() -> Any:
+    """A 2-rank world of its own: the session's shared one has run other cases, whose global
+    hooks (the reproducible step check, the stream simulator's optimizer watch) stay
+    installed in its processes and would run in the traced step."""
+    from _dist import World
+
+    w = World(2)
+    yield w
+    w.close(force=True)
+
+
+def test_a_steady_step_runs_only_files_the_walk_names(fresh_world: Any) -> None:
     named = _named(_walk())
-    for res in world2.run(case_trace_steady_step):
+    for res in fresh_world.run(case_trace_steady_step):
         unnamed = sorted(set(res["files"]) - named)
         assert not unnamed, (
             f"a steady step runs {unnamed}, which docs/design.md's walk ('A steady step, file "
