@@ -257,13 +257,12 @@ class FSDPState:
         self.depth += 1
         if self.depth > 1:
             return args, kwargs
-        if self.is_root:
-            for act in root._root_event(RootEvent.FORWARD_BEGINS):
-                if act is RootAct.START_ITERATIONS:  # (RESET_FIRST ran above, with its warning)
-                    for s in root.all_states:
-                        if s.group is not None:
-                            s.group.start_iteration()
-                    self._wait_post_optim_event()
+        # (A reset the machine asks for ran above, with its warning.)
+        if self.is_root and RootAct.START_ITERATIONS in root._root_event(RootEvent.FORWARD_BEGINS):
+            for s in root.all_states:
+                if s.group is not None:
+                    s.group.start_iteration()
+            self._wait_post_optim_event()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if not root.order_recorded:
