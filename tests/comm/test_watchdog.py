@@ -218,3 +218,52 @@ def test_every_wait_in_the_package_goes_through_the_watchdog() -> None:
                 ):
                     raw.append(f"{rel}:{node.lineno} in {fn.name}")
     assert not raw, raw
+
+
+def test_the_main_threads_place_is_read_from_another_thread() -> None:
+    """The publisher thread reads where the main thread is (faulthandler's dump): blocked in a
+    torch.distributed call outside the package, or elsewhere."""
+    import threading
+
+    from functional_fsdp.shell.comm import watchdog
+
+    seen: dict[str, Any] = {}
+    ready, done = threading.Event(), threading.Event()
+
+    def observer() -> None:
+        ready.wait(10)
+        seen["frames"] = watchdog._main_thread_frames()
+        seen["place"] = watchdog._main_thread_place()
+        done.set()
+
+    def somewhere_in_user_code() -> None:
+        ready.set()
+        done.wait(10)  # blocked in threading (not torch.distributed): may come back
+
+    t = threading.Thread(target=observer)
+    t.start()
+    somewhere_in_user_code()
+    t.join(10)
+    names = [name for _, _, name in seen["frames"]]
+    assert "somewhere_in_user_code" in names, names
+    assert names[0] == "wait", names  # innermost first
+    inner, outside = seen["place"]
+    assert inner.startswith("wait (threading.py:"), inner
+    assert outside is None
+
+
+def test_no_thread_walks_another_threads_frames() -> None:
+    """``sys._current_frames()`` and ``f_back`` on another thread's frame corrupt the heap now
+    and then on CPython 3.11 (a rank aborted with "malloc(): unaligned tcache chunk detected"
+    in CI); the watchdog reads stacks through faulthandler instead."""
+    import pathlib
+
+    import functional_fsdp
+
+    root = pathlib.Path(functional_fsdp.__file__).parent
+    found = [
+        path.relative_to(root).as_posix()
+        for path in sorted(root.rglob("*.py"))
+        if "_current_frames(" in path.read_text().replace("``sys._current_frames()``", "")
+    ]
+    assert not found, found

@@ -28,10 +28,13 @@ position check of :mod:`.process_group` (``CollectiveMismatchError``).
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import json
 import math
 import os
+import re
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -113,32 +116,78 @@ def _describe(what: Any) -> str:
     return "nothing yet" if what is None else str(what)
 
 
+def _main_thread_frames() -> list[tuple[str, int, str]]:
+    """The main thread's stack, innermost first: ``(file, line, function)`` of each frame.
+
+    Read through :func:`faulthandler.dump_traceback`, never through ``sys._current_frames()``:
+    walking another thread's frames (``f_back``) creates frame objects for frames that thread
+    may pop at its next bytecode, and on CPython 3.11 that corrupts the heap now and then
+    (cpython#111363; the same crash in sentry-python's and ddtrace's samplers). faulthandler
+    reads the frames in place, allocating nothing, with the GIL held (at most 100 frames, the
+    innermost: the ones this module looks at)."""
+    main = threading.main_thread().ident
+    if main is None:
+        return []
+    fd = _dump_fd()
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    faulthandler.dump_traceback(fd, all_threads=True)
+    size = os.lseek(fd, 0, os.SEEK_CUR)
+    os.lseek(fd, 0, os.SEEK_SET)
+    text = os.read(fd, size).decode("utf-8", "replace")
+    frames: list[tuple[str, int, str]] = []
+    mine = False
+    for line in text.splitlines():
+        head = _THREAD_LINE.match(line)
+        if head is not None:
+            if mine:
+                break
+            mine = int(head.group(1), 16) == main
+            continue
+        frame = _FRAME_LINE.match(line) if mine else None
+        if frame is not None:
+            frames.append((frame.group(1), int(frame.group(2)), frame.group(3)))
+    return frames
+
+
+_THREAD_LINE = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME_LINE = re.compile(r'^\s+File "(.*)", line (\d+) in (\S+)')
+_DUMP: list[int] = []  # the file descriptor the publisher dumps into (one per process)
+
+
+def _dump_fd() -> int:
+    if not _DUMP:
+        try:
+            fd = os.memfd_create("functional_fsdp-watchdog")
+        except (AttributeError, OSError):  # not Linux: a temporary file
+            fd, path = tempfile.mkstemp(prefix="functional_fsdp-watchdog-")
+            os.unlink(path)
+        _DUMP.append(fd)
+    return _DUMP[0]
+
+
 def _main_thread_place() -> tuple[str, str | None]:
     """Where the main thread is: ``(innermost frame, the torch.distributed call it is blocked
     in outside this package or None)``."""
-    main = threading.main_thread().ident
-    frame = sys._current_frames().get(main) if main is not None else None
-    if frame is None:
+    frames = _main_thread_frames()
+    if not frames:
         return "?", None
-    inner = (
-        f"{frame.f_code.co_name} ({os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno})"
-    )
+    path0, line0, name0 = frames[0]
+    inner = f"{name0} ({os.path.basename(path0)}:{line0})"
     outside = None
-    f: Any = frame
-    in_dist = None  # the innermost torch.distributed frame
-    while f is not None:
-        path = os.path.abspath(f.f_code.co_filename)
+    in_dist = None  # the index of the innermost torch.distributed frame
+    for i, (raw, line, _name) in enumerate(frames):
+        path = os.path.abspath(raw)
         if path.startswith(_PACKAGE + os.sep):
             return inner, None  # inside this package (computing, or waiting: see wait)
         if _TORCH_DIST in path:
-            in_dist = in_dist or f
+            in_dist = i if in_dist is None else in_dist
         elif in_dist is not None and outside is None:
             outside = (
-                f"torch.distributed {in_dist.f_code.co_name} "
-                f"(called at {os.path.basename(path)}:{f.f_lineno})"
+                f"torch.distributed {frames[in_dist][2]} "
+                f"(called at {os.path.basename(path)}:{line})"
             )
-        f = f.f_back
-    if in_dist is not None and in_dist is not frame:
+    if in_dist is not None and in_dist != 0:
         return inner, None  # in code torch.distributed called back (not blocked in it)
     return inner, outside
 
