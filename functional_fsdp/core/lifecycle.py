@@ -396,10 +396,11 @@ def _post_backward(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
 
 def _returned_backward(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> Step:
     # ``grad``: a create_graph=True backward, whose double backward reads the full parameters.
+    # The gradients are separate tensors: free before reducing them (as _post_backward).
     storage: Storage = p.storage
     acts: tuple[Act, ...] = (Act.REDUCE_RETURNED,)
     if c.reshard_after_backward and not grad:
-        storage, acts = Storage.SHARDED, acts + _free(storage) + (Act.REGISTER_SHARDED,)
+        storage, acts = Storage.SHARDED, _free(storage) + (Act.REGISTER_SHARDED,) + acts
     elif grad and storage is Storage.UNSHARDED:
         storage = Storage.KEPT
     return (

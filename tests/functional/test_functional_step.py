@@ -311,7 +311,9 @@ def _case_peak_unsharded_bytes() -> dict[str, int]:
         live = sum(b.untyped_storage().nbytes() for r in buffers if (b := r()) is not None)
         peak[0] = max(peak[0], live)
 
-    orig_gather, orig_ensure = fp.GatherCall.gather, fp.GatherCall.ensure_gathered
+    from functional_fsdp.core.lifecycle import Act
+
+    orig_gather, orig_wait = fp.GatherCall.gather, fp._CARRY_OUT[Act.WAIT_GATHER]
 
     def spy_gather(self: Any, sources: Any) -> Any:
         out = orig_gather(self, sources)
@@ -319,15 +321,17 @@ def _case_peak_unsharded_bytes() -> dict[str, int]:
         sample()
         return out
 
-    def spy_ensure(self: Any) -> None:
-        orig_ensure(self)
+    def spy_wait(self: Any) -> None:  # the life cycle's WAIT_GATHER: a (re-)gather
+        orig_wait(self)
         sample()
 
-    fp.GatherCall.gather, fp.GatherCall.ensure_gathered = spy_gather, spy_ensure  # type: ignore[method-assign]
+    fp.GatherCall.gather = spy_gather  # type: ignore[method-assign]
+    fp._CARRY_OUT[Act.WAIT_GATHER] = spy_wait
     try:
         _functional_train(model, _functional_opt("adamw"), 2)
     finally:
-        fp.GatherCall.gather, fp.GatherCall.ensure_gathered = orig_gather, orig_ensure  # type: ignore[method-assign]
+        fp.GatherCall.gather = orig_gather  # type: ignore[method-assign]
+        fp._CARRY_OUT[Act.WAIT_GATHER] = orig_wait
     return {
         "functional": peak[0],
         "shell": shell_peak[0],

@@ -19,8 +19,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from ...core.errors import UnsupportedError
-from ...core.lifecycle import RootAct, RootEvent
-from ..engine.autograd import GatherFn
+from ...core.lifecycle import Event, RootAct, RootEvent
 from ..engine.functional_path import (
     FunctionalForward,
     GatherCall,
@@ -123,21 +122,17 @@ def pre_forward(state: ForwardState) -> bool:
     if g is not None:
         lent = root.lent_calls.get(id(g)) if g.lends else None
         if lent is None:
-            call = GatherCall(g, fwd)
             sources = tuple(registered_sources(g))
             check_sources(g, sources)
-            call.prefetch = fwd.prefetched.pop(state, None)
-            fulls = GatherFn.apply(call, *sources)
+            call = GatherCall(g, fwd, sources, fwd.prefetched.pop(state, None))
             fwd.calls.append(call)
             if g.lends:  # other groups' modules use its weights: they take this gather
-                lent = root.lent_calls[id(g)] = LentCall(call, fulls, sources)
+                lent = root.lent_calls[id(g)] = LentCall(call, sources)
         else:  # another group's use of its weight gathered it earlier in this forward
-            call, fulls, sources = lent.call, lent.fulls, lent.sources
-            call.ensure_gathered()  # (that use's end may have resharded it)
-        if lent is not None:
-            lent.owner_forward(True)
-        call.sources = sources
-        g.register_full(fulls)
+            call, sources = lent.call, lent.sources
+        call.restore = sources
+        # Gathers (again, when another use's end resharded it) and registers the full tensors.
+        call.event(Event.PRE_FORWARD, grad=torch.is_grad_enabled())
         call.is_root = state.is_root
         state.functional = call
     elif not state.is_root:
@@ -207,9 +202,6 @@ def post_forward(state: ForwardState, output: Any) -> Any:
         lent = use.functional_post_forward()
         if lent is not None and tensors:  # its backward reads the owner's buffer again
             torch.autograd.graph.register_multi_grad_hook(tensors, lent.lent_live, mode="any")
-    lent = None
-    if isinstance(rec, GatherCall) and root is not None and rec.group.lends:
-        lent = root.lent_calls.get(id(rec.group))
     if state.is_root or (root is not None and not root.in_forward):
         # The state that opened this functional forward closes it.
         fwd = rec.forward if isinstance(rec, GatherCall) else rec
@@ -220,25 +212,17 @@ def post_forward(state: ForwardState, output: Any) -> Any:
             root.lent_calls = {}
     if not isinstance(rec, GatherCall):
         return output
-    return _close_call(rec, lent, tensors, output)
+    return _close_call(rec, tensors, output)
 
 
-def _close_call(rec: GatherCall, lent: LentCall | None, tensors: list, output: Any) -> Any:
+def _close_call(rec: GatherCall, tensors: list, output: Any) -> Any:
     """A group's functional forward ended: the caller's tensors back on its modules, its buffer
     resharded (unless another group's use still reads it), the re-gather hooked for backward."""
-    rec.forward = None
-    g = rec.group
-    for sp, src in zip(g.sharded_params, rec.sources):
-        sp.register(src)
-    rec.sources = ()
-    may_free = True if lent is None else lent.owner_forward(False)
+    rec.end_forward(saved=bool(tensors))
     if not tensors:
         # Nothing saved for backward: drop the buffer (outputs aliasing it keep it alive).
-        if lent is None:
+        if not rec.group.lends:
             rec.slot = None
         return output
-    if g.config.reshard_after_forward is not False and may_free:
-        rec.free()
-    hook = rec.pre_backward_hook if lent is None else lent.owner_backward
-    torch.autograd.graph.register_multi_grad_hook(tensors, hook, mode="any")
+    torch.autograd.graph.register_multi_grad_hook(tensors, rec.pre_backward_hook, mode="any")
     return output

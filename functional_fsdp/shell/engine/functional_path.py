@@ -16,6 +16,11 @@ previous group's re-gather, as the shell prefetches), and the reduction frees it
 
 Per-call state lives in :class:`GatherCall` records owned by the autograd graph (and by the
 ``FSDPState`` only between the group's pre- and post-forward), never in module-level globals.
+A call's control state is the group life cycle's (:mod:`functional_fsdp.core.lifecycle`): each
+call holds its own :class:`~functional_fsdp.core.lifecycle.Phase` (the group's stays idle), the
+hooks hand it the same events the module path hands a group, and the call carries out the
+actions on its buffer (gather, prefetch, free, register); a tied weight's other uses are the
+machine's lent uses (:class:`~.tied.LentCall`).
 
 The root's hooks enter and leave this path in :mod:`functional_fsdp.shell.api.functional_call`
 (two small branches in ``shell/api/state.py``); nothing else in the shell knows about it.
@@ -44,9 +49,11 @@ from torch.distributed.tensor import DTensor
 from ...core import layout as L
 from ...core import transitions as T
 from ...core.errors import UnsupportedError
+from ...core.lifecycle import Act, Event, LifecycleConfig, Phase, Stage, advance
 from ...core.records import ShardedState
 from ..device.runtime import DeviceRuntime
 from . import ordering
+from .autograd import GatherFn
 from .gather import GatherSlot
 from .group import ParamGroup
 from .group_common import profiled
@@ -201,10 +208,19 @@ class DeferredReductions:
 class GatherCall:
     """One group's gather during one functional forward (owned by that forward's graph).
 
+    Its control state is a life-cycle :class:`~functional_fsdp.core.lifecycle.Phase`:
+    :meth:`event` advances it and carries out the actions on the call's buffer (the others are
+    its callers', listed in :data:`CALLERS_ACTS`).
+
     Attributes:
         group: the group's runtime (layout, communicators, specs).
         forward: the functional forward this gather belongs to (until its post-forward).
-        sources: the tensors registered on the modules at pre-forward (restored at post-forward).
+        sources: the caller's tensors the first gather reads (then forgotten).
+        restore: the tensors the group's own forward replaced on its modules (put back at
+            its post-forward).
+        fulls: the full parameters (:class:`~.autograd.GatherFn`'s outputs), made by the
+            call's first gather.
+        phase: the call's life cycle.
         sharded: the sources' shards packed as a :class:`ShardedState` (the gather input, kept
             for the re-gather in backward and the reduction's layout).
         slot: the engine's unsharded copy of ``sharded`` for this call (a buffer per call,
@@ -214,13 +230,17 @@ class GatherCall:
     """
 
     __slots__ = (
+        "config",
         "create_graph",
         "deferred",
         "forward",
+        "fulls",
         "group",
         "is_root",
+        "phase",
         "prefetch",
         "prev",
+        "restore",
         "sharded",
         "slot",
         "source_ids",
@@ -228,14 +248,22 @@ class GatherCall:
         "tree",
     )
 
-    def __init__(self, group: ParamGroup, forward: FunctionalForward | None) -> None:
+    def __init__(
+        self,
+        group: ParamGroup,
+        forward: FunctionalForward | None,
+        sources: tuple[Any, ...] = (),
+        prefetch: Prefetch | None = None,
+    ) -> None:
         self.group = group
         self.forward = forward
         self.prev: GatherCall | None = forward.calls[-1] if forward and forward.calls else None
-        self.sources: tuple[Any, ...] = ()
+        self.sources: tuple[Any, ...] = sources
+        self.restore: tuple[Any, ...] = ()
+        self.fulls: tuple[torch.Tensor, ...] | None = None
         self.sharded: ShardedState | None = None
         self.slot: GatherSlot | None = None
-        self.prefetch: Prefetch | None = None
+        self.prefetch: Prefetch | None = prefetch
         self.deferred: DeferredReductions | None = None
         # ReproduciblePolicy in the functional step: the sources' TreeReductions (and their
         # identities, which name where each reduced gradient goes).
@@ -245,16 +273,79 @@ class GatherCall:
         # Set by a backward run with create_graph=True: the reduction is recorded for double
         # backward (its adjoint is an all-gather) and the full parameters stay for it.
         self.create_graph = False
+        self.phase = Phase()
+        cfg = group.config
+        rg = group.requires_grad
+        self.config = LifecycleConfig(
+            # Each call frees fully (a sub-group's rows are the module path's).
+            reshard_after_forward=cfg.reshard_after_forward is not False,
+            reshard_after_backward=cfg.reshard_after_backward,
+            trains=any(rg),
+            all_train=all(rg),
+            lends=group.lends,
+        )
 
     @property
     def requires_grad(self) -> tuple[bool, ...]:
         """Per parameter, whether it trains (the group's)."""
         return self.group.requires_grad
 
+    def event(self, e: Event, **facts: bool) -> tuple[Act, ...]:
+        """Advance the call's life cycle by ``e`` and carry out the actions on its buffer, in
+        order; returns the actions (those in :data:`CALLERS_ACTS` are the caller's)."""
+        self.phase, acts = advance(self.phase, e, self.config, group=self.group.name, **facts)
+        for a in acts:
+            carry = _CARRY_OUT.get(a)
+            if carry is not None:
+                carry(self)
+            elif a not in CALLERS_ACTS:
+                raise AssertionError(f"the functional path has no way to {a.value} ({a.name})")
+        return acts
+
+    # the actions on the call's buffer
+
+    def _wait_gather(self) -> None:
+        """The full parameters, live: the first gather makes them (through the autograd
+        Function, whose forward runs :meth:`gather`); later ones gather into the same buffer
+        again when it was freed."""
+        if self.fulls is None:
+            self.fulls = tuple(GatherFn.apply(self, *self.sources))
+            self.sources = ()
+        elif self.slot is not None and self.sharded is not None:
+            with torch._C._DisableFuncTorch():
+                self.slot.gather(self.sharded, self.group.comm)
+            self.slot.mark_read(self._reader(), self.group.name)
+
+    def _start_gather(self) -> None:
+        """Issue the re-gather (async) unless the buffer is live or one is in flight."""
+        if self.slot is not None and self.sharded is not None:
+            with torch._C._DisableFuncTorch():
+                self.slot.start(self.sharded, self.group.comm)
+
+    def _free(self) -> None:
+        """Free the buffer's storage (views saved by autograd stay valid objects)."""
+        if self.slot is not None:
+            self.slot.free()
+
+    def _register_outputs(self) -> None:
+        assert self.fulls is not None
+        self.group.register_full(self.fulls)
+
+    def _register_sources(self) -> None:
+        """The caller's tensors back on the modules (once: the forward's end)."""
+        for sp, src in zip(self.group.sharded_params, self.restore):
+            sp.register(src)
+        self.restore = ()
+
+    def _reader(self) -> str:
+        backward = self.phase.stage in (Stage.PRE_BACKWARD, Stage.POST_BACKWARD)
+        return "the functional backward" if backward else "the functional forward"
+
     # forward
 
     def gather(self, sources: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        """All-gather the (unwrapped) sources into this call's slot; return the full params."""
+        """All-gather the (unwrapped) sources into this call's slot; return the full params
+        (:class:`~.autograd.GatherFn`'s forward)."""
         refuse_functional_sources(self.group)
         with profiled(lambda: f"FSDP::all_gather ({self.group.name})"):
             return self._gather(sources)
@@ -281,29 +372,22 @@ class GatherCall:
             self.slot.mark_read("the functional forward", g.name)
             return tuple(v.view_as(v) for v in self.slot.views)
 
-    def free(self) -> None:
-        """Free the buffer's storage (views saved by autograd stay valid objects)."""
-        if self.slot is not None:
-            self.slot.free()
+    def end_forward(self, saved: bool) -> None:
+        """The group's forward ended: the caller's tensors back on its modules; reshard (as
+        configured, unless another group's use of a tied weight still reads the buffer), or
+        keep the buffer when nothing was ``saved`` for backward (outputs may alias it)."""
+        self.forward = None
+        self.event(Event.POST_FORWARD, keep=not saved)
 
     # backward
 
     def start_regather(self) -> None:
-        """Issue the re-gather (async) unless the buffer is live or one is in flight."""
-        if self.slot is not None and self.sharded is not None:
-            with torch._C._DisableFuncTorch():
-                self.slot.start(self.sharded, self.group.comm)
-
-    def ensure_gathered(self) -> None:
-        """Make the buffer hold the full parameters again (after :meth:`free`)."""
-        if self.slot is not None and self.sharded is not None:
-            with torch._C._DisableFuncTorch():
-                self.slot.gather(self.sharded, self.group.comm)
-            self.slot.mark_read("the functional backward", self.group.name)
+        """Another group's backward prefetches this one: issue the re-gather."""
+        self.event(Event.PREFETCH_FOR_BACKWARD)
 
     def pre_backward_hook(self, _grad: Any) -> None:
         """Before this group's backward: gather again; prefetch the previous group's re-gather."""
-        self.ensure_gathered()
+        self.event(Event.PRE_BACKWARD)
         if self.prev is not None and not self.prev.is_root:
             self.prev.start_regather()
 
@@ -312,8 +396,9 @@ class GatherCall:
         g = self.group
         assert self.sharded is not None
         grads = g.trained(grads)
-        if g.config.reshard_after_backward and not self.create_graph:
-            self.free()
+        # Frees first (reshard_after_backward, not under create_graph=True): the gradients
+        # are separate tensors; then REDUCE_RETURNED, carried out below.
+        self.event(Event.RETURNED_BACKWARD, grad=self.create_graph)
         if not any(gr is not None for gr in grads):
             return (None,) * len(grads)
         if self.tree is not None and not self.create_graph:
@@ -335,6 +420,32 @@ class GatherCall:
     def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:
         """The adjoint of :meth:`reduce` (an all-gather, for a double backward)."""
         return self.group.gather_cotangents(cotangents)
+
+
+#: The actions a call carries out itself, on its buffer and its modules.
+_CARRY_OUT = {
+    Act.WAIT_GATHER: GatherCall._wait_gather,
+    Act.START_GATHER: GatherCall._start_gather,
+    Act.FREE: GatherCall._free,
+    Act.REGISTER_OUTPUTS: GatherCall._register_outputs,
+    Act.REGISTER_SHARDED: GatherCall._register_sources,
+}
+#: The actions the functional path's callers carry out, or that have nothing to do on a call:
+#: the full tensors are :class:`~.autograd.GatherFn`'s outputs, made at the first gather and
+#: shared by every use (no outputs to make, reuse or wrap, no registration for a recompute: it
+#: reads what autograd saved); the next group's prefetch is ``functional_call``'s; the
+#: reduction returned to autograd is :meth:`GatherCall.reduce`'s.
+CALLERS_ACTS = frozenset(
+    {
+        Act.START_PREFETCH,
+        Act.MAKE_OUTPUTS,
+        Act.MAKE_PLAIN_OUTPUTS,
+        Act.REUSE_OUTPUTS,
+        Act.OWN_USE,
+        Act.REGISTER_REGISTERED,
+        Act.REDUCE_RETURNED,
+    }
+)
 
 
 def _deferred_results(pending: T.PendingReduce) -> list[torch.Tensor | None]:

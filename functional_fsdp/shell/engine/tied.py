@@ -35,7 +35,8 @@ from typing import Any, Protocol
 import torch
 
 from ...core.errors import TiedParameterError
-from .autograd import GatherFn, UseFn
+from ...core.lifecycle import Event
+from .autograd import UseFn
 from .functional_path import GatherCall, check_sources, registered_sources
 from .group import ParamGroup
 from .param import Holders, ShardedParam
@@ -62,61 +63,51 @@ def _lent_view(lender: Lender, full: torch.Tensor) -> torch.Tensor:
 
 class LentCall:
     """A lending group's gather in one functional forward, shared by its own modules and the
-    other groups' uses (the functional path's :meth:`ParamGroup.lent_full`).
+    other groups' uses (the functional path's :meth:`ParamGroup.lent_full`). The uses are the
+    call's life cycle's lent uses (``LENT_FULL``, ``LENT_LIVE``, ``LENT_DONE``): the buffer is
+    resharded when neither a use nor the owner's own forward or backward needs it.
 
     Attributes:
         call: the owner's gather for this call.
-        fulls: its full tensors (the ``GatherFn`` outputs every use views).
-        sources: the caller's tensors it gathered (a use must hold the same).
-        open: uses of other groups that need the buffer now.
-        owner_busy: the owner's own forward or backward is running (it reshards then).
+        sources: the caller's tensors it gathers (a use must hold the same).
     """
 
-    __slots__ = ("call", "fulls", "open", "owner_busy", "sources")
+    __slots__ = ("call", "sources")
 
-    def __init__(self, call: GatherCall, fulls: tuple[torch.Tensor, ...], sources: tuple) -> None:
+    def __init__(self, call: GatherCall, sources: tuple) -> None:
         self.call = call
-        self.fulls = fulls
         self.sources = sources
-        self.open = 0
-        self.owner_busy = False
 
     @classmethod
     def make(cls, owner: ParamGroup, forward: Any) -> LentCall:
-        """Gather ``owner``'s registered sources now (a use runs before the owner's modules)."""
-        call = GatherCall(owner, forward)
+        """The owner's call for this forward, made at a use that runs before the owner's
+        modules (the use's ``LENT_FULL`` gathers)."""
         sources = tuple(registered_sources(owner))
         check_sources(owner, sources)
-        fulls = GatherFn.apply(call, *sources)
+        call = GatherCall(owner, forward, sources)
         if forward is not None:
             forward.calls.append(call)
-        return cls(call, fulls, sources)
+        return cls(call, sources)
+
+    @property
+    def fulls(self) -> tuple[torch.Tensor, ...]:
+        """The owner's full tensors of this call (every use views them)."""
+        assert self.call.fulls is not None
+        return self.call.fulls
+
+    def lent_full(self) -> None:
+        """A use starts its forward: the buffer is gathered (or live again) until
+        :meth:`lent_done`."""
+        self.call.event(Event.LENT_FULL, grad=torch.is_grad_enabled())
 
     def lent_live(self, _grad: Any = None) -> None:
-        """A use starts its forward or backward: the buffer is live until :meth:`lent_done`."""
-        self.call.ensure_gathered()
-        self.open += 1
+        """A use starts its backward: the buffer is live until :meth:`lent_done`."""
+        self.call.event(Event.LENT_LIVE)
 
     def lent_done(self, *, after_backward: bool) -> None:
         """A use ended: free the buffer as the owner's settings say, unless another use or the
         owner's own modules still need it."""
-        self.open = max(0, self.open - 1)
-        if self.open or self.owner_busy:
-            return
-        cfg = self.call.group.config
-        if cfg.reshard_after_backward if after_backward else cfg.reshard_after_forward:
-            self.call.free()
-
-    def owner_forward(self, running: bool) -> bool:
-        """The owner's forward starts (``True``) or ends (``False``); at the end, whether it
-        may reshard (no other use needs the buffer)."""
-        self.owner_busy = running
-        return not self.open
-
-    def owner_backward(self, grad: Any) -> None:
-        """The owner's pre-backward hook: its backward starts (it reshards after reducing)."""
-        self.owner_busy = True
-        self.call.pre_backward_hook(grad)
+        self.call.event(Event.LENT_DONE, after_backward=after_backward)
 
 
 class TiedUse:
@@ -220,7 +211,7 @@ class TiedUse:
         source = self.registered()
         if source is not lent.sources[self.index]:
             raise self._substituted(source)
-        lent.lent_live()
+        lent.lent_full()
         self.lent, self.source = lent, source
         self.register(_lent_view(lent, lent.fulls[self.index]))
 
