@@ -13,6 +13,10 @@ Two questions decide how a step's collectives travel, and each is answered here 
   and names the groups of the last forward bucket that keep their buffers for the backward.
   The hooks follow it: a group whose bucket has not started starts it whole, and the bucket's
   last group prefetches the next bucket.
+- **What does each module prefetch?** :func:`prefetch_targets`: in each phase, the next module
+  in the recorded order that gathers something (a group, or another group's tied weight). The
+  plan holds the answer for every module, so a hook looks it up instead of searching the
+  order at every call.
 
 Communicators declare whether they can run a bucket (``coalesces``, :func:`~.comm.coalesces`)
 instead of being tested for their type. Every rank derives the plan from facts every rank
@@ -21,7 +25,8 @@ shares, so every rank issues the same collectives.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Collection, Hashable, Mapping, Sequence
+from typing import TypeVar
 
 import attrs
 
@@ -34,8 +39,11 @@ __all__ = [
     "SharingFacts",
     "gathers_together",
     "derive_plan",
+    "prefetch_targets",
     "reduces_together",
 ]
+
+K = TypeVar("K", bound=Hashable)
 
 
 @attrs.frozen
@@ -131,6 +139,10 @@ class Plan:
         reduce: the reduce buckets of several groups, each as its names.
         kept: the groups of the last forward bucket that keep their unsharded buffer for the
             backward (it comes first): those that may share, when the bucket fits the size.
+        forward_prefetch: each module's forward prefetch target (:func:`prefetch_targets`
+            of the forward's order); a module without one is absent.
+        backward_prefetch: each module's backward prefetch target (of the backward's order:
+            the reverse of the order the forwards ended).
     """
 
     schedule: CommunicationSchedule
@@ -138,6 +150,27 @@ class Plan:
     backward: Mapping[str, tuple[str, ...]]
     reduce: tuple[tuple[str, ...], ...]
     kept: frozenset[str]
+    forward_prefetch: Mapping[str, str] = attrs.field(factory=dict)
+    backward_prefetch: Mapping[str, str] = attrs.field(factory=dict)
+
+
+def prefetch_targets(order: Sequence[K], gathers: Collection[K]) -> dict[K, K]:
+    """Each module's prefetch target: the first module after its first place in ``order``
+    that ``gathers`` something (a module used again later may be its own target).
+
+    Example:
+        >>> prefetch_targets("abcab", gathers="ab")
+        {'a': 'b', 'b': 'a', 'c': 'a'}
+    """
+    after: list[K | None] = [None] * (len(order) + 1)
+    for i in range(len(order) - 1, -1, -1):
+        after[i] = order[i] if order[i] in gathers else after[i + 1]
+    out: dict[K, K] = {}
+    for i, k in enumerate(order):
+        target = after[i + 1]
+        if k not in out and target is not None:
+            out[k] = target
+    return out
 
 
 def _cut(
@@ -175,6 +208,9 @@ def derive_plan(
     bucket_bytes: int,
     *,
     keep_last: bool = True,
+    forward_uses: Sequence[str] = (),
+    backward_uses: Sequence[str] = (),
+    gathering: Collection[str] = frozenset(),
 ) -> Plan:
     """The plan of a step from its recorded orders.
 
@@ -185,6 +221,9 @@ def derive_plan(
         facts: every group's facts, by name.
         bucket_bytes: the bucket size (``<= 0``: one collective per group).
         keep_last: the last forward bucket may keep its buffers (``False``: none kept).
+        forward_uses: every module's forward, in order (repeats included), for prefetching.
+        backward_uses: every module's backward, in order.
+        gathering: the modules that gather something (prefetch targets).
 
     Example:
         >>> f = {n: GroupPlanFacts(4, "pg", True) for n in "abc"}
@@ -204,4 +243,6 @@ def derive_plan(
         bmembers,
         tuple(b.groups for b in red if b.coalesced),
         kept,
+        prefetch_targets(forward_uses, gathering),
+        prefetch_targets(backward_uses, gathering),
     )

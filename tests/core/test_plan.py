@@ -14,6 +14,7 @@ from functional_fsdp.core.plan import (
     SharingFacts,
     derive_plan,
     gathers_together,
+    prefetch_targets,
     reduces_together,
 )
 
@@ -97,3 +98,28 @@ def test_off_means_one_collective_per_group_and_nothing_kept() -> None:
     assert plan.schedule.collectives() == (3, 3, 3)
     assert plan.reduce == () and plan.kept == frozenset()
     assert derive_plan("abc", "cba", "cba", facts, 8, keep_last=False).kept == frozenset()
+
+
+@given(
+    order=st.lists(st.sampled_from("abcdef"), max_size=12),
+    gathering=st.sets(st.sampled_from("abcdef")),
+)
+def test_prefetch_targets_are_the_next_gathering_module_after_the_first_place(
+    order: list[str], gathering: set[str]
+) -> None:
+    """What the hooks searched the order for at every call, answered once for every module."""
+    got = prefetch_targets(order, gathering)
+    for k in set(order):
+        i = order.index(k)
+        nxt = [m for m in order[i + 1 :] if m in gathering][:1]
+        assert got.get(k) == (nxt[0] if nxt else None)
+    assert set(got) <= set(order)
+
+
+def test_the_plan_holds_each_phases_prefetch_targets() -> None:
+    facts = {n: GroupPlanFacts(1, "pg", True) for n in "abc"}
+    plan = derive_plan(
+        "abc", "cba", "cba", facts, 0, forward_uses="xabc", backward_uses="cbax", gathering="abc"
+    )
+    assert plan.forward_prefetch == {"x": "a", "a": "b", "b": "c"}
+    assert plan.backward_prefetch == {"c": "b", "b": "a"}

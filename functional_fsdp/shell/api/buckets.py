@@ -74,6 +74,9 @@ class StepPlan:
             comes first, so they keep their unsharded buffer from the forward (registered
             sharded as any resharded group) instead of freeing it and gathering it again at
             once.
+        forward_next: ``id(state)`` -> the state its forward prefetches (the plan's
+            ``forward_prefetch``).
+        backward_next: ``id(state)`` -> the state its backward prefetches.
     """
 
     record: CommunicationSchedule
@@ -82,6 +85,8 @@ class StepPlan:
     backward: dict[int, tuple[Scheduled, ...]]
     reduce_buckets: tuple[ReduceBucket, ...]
     kept: frozenset[int] = frozenset()
+    forward_next: dict[int, Scheduled] = attrs.field(factory=dict)
+    backward_next: dict[int, Scheduled] = attrs.field(factory=dict)
 
     def rest(self, state: Scheduled, backward: bool) -> tuple[Scheduled, ...]:
         """The states of ``state``'s bucket from ``state`` on (``()``: not scheduled)."""
@@ -139,18 +144,23 @@ def derive(
     of several groups that bucket's reduce-scatter (and every other of the root's ``groups``
     none)."""
     fwd = _first_uses(forward_order)
-    bwd = _first_uses(list(post_forward_order)[::-1])
-    states = {id(s): s for s in (*fwd, *bwd)}
+    backward_order = list(post_forward_order)[::-1]
+    bwd = _first_uses(backward_order)
+    states = {id(s): s for s in (*forward_order, *backward_order)}
     name = {k: f"{s.name}#{i}" for i, (k, s) in enumerate(states.items())}
     by_name = {name[k]: s for k, s in states.items()}
+    planned = {id(s) for s in (*fwd, *bwd)}
     plan = derive_plan(
         [name[id(s)] for s in fwd],
         [name[id(s)] for s in bwd],
         [name[id(s)] for s in fwd[::-1]],
-        {n: _facts(s) for n, s in by_name.items()},
+        {name[k]: _facts(s) for k, s in states.items() if k in planned},
         bucket_bytes,
         # (A last forward that reuses a group used before ends in no bucket of its own.)
         keep_last=bool(forward_order) and forward_order[-1] is fwd[-1],
+        forward_uses=[name[id(s)] for s in forward_order],
+        backward_uses=[name[id(s)] for s in backward_order],
+        gathering={n for n, s in by_name.items() if s.group is not None or s.tied},
     )
 
     def shown(bs: tuple[Bucket, ...]) -> tuple[Bucket, ...]:
@@ -182,4 +192,6 @@ def derive(
         members(plan.backward),
         tuple(reduce_buckets),
         kept,
+        {id(by_name[a]): by_name[b] for a, b in plan.forward_prefetch.items()},
+        {id(by_name[a]): by_name[b] for a, b in plan.backward_prefetch.items()},
     )

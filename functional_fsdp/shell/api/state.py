@@ -295,6 +295,12 @@ class FSDPState:
     def plan(self) -> buckets.StepPlan | None:
         """Root: the step's communication plan, derived from the recorded order on first use
         (``None`` before the first forward recorded it, or with coalescing off)."""
+        p = self.derived_plan()
+        return p if p is not None and p.record.bucket_bytes > 0 else None
+
+    def derived_plan(self) -> buckets.StepPlan | None:
+        """Root: the step's plan, buckets or none (``None`` before the first forward recorded
+        the order): the prefetch targets are the plan's at any bucket size."""
         if not self.order_recorded:
             return None
         if self._plan is None:
@@ -311,7 +317,7 @@ class FSDPState:
                 size,
                 gathers=not explicit,
             )
-        return self._plan if self._plan.record.bucket_bytes > 0 else None
+        return self._plan
 
     def schedule_record(self) -> CommunicationSchedule:
         """Root: the schedule as a record (after the first forward; bucket size 0 too)."""
@@ -339,15 +345,11 @@ class FSDPState:
         root = self.root
         # Only inside a root forward: a submodule run on its own must not leave a gather in
         # flight that could go stale across an optimizer step.
-        if root is None or not root.order_recorded or not root.in_forward:
+        if root is None or not root.in_forward:
             return []
-        order = root.forward_order
-        try:
-            i = order.index(self)
-        except ValueError:
-            return []
-        nxt = [s for s in order[i + 1 :] if s.group is not None or s.tied][:1]
-        return nxt
+        plan = root.derived_plan()
+        target = plan.forward_next.get(id(self)) if plan is not None else None
+        return [target] if target is not None else []  # type: ignore[list-item]
 
     @traced("post_forward")
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -433,14 +435,9 @@ class FSDPState:
         if self.explicit_backward_prefetch is not None:
             return self.explicit_backward_prefetch
         root = self.root
-        if root is None:
-            return []
-        order = root.post_forward_order[::-1]
-        try:
-            i = order.index(self)
-        except ValueError:
-            return []
-        return [s for s in order[i + 1 :] if s.group is not None or s.tied][:1]
+        plan = root.derived_plan() if root is not None else None
+        target = plan.backward_next.get(id(self)) if plan is not None else None
+        return [target] if target is not None else []  # type: ignore[list-item]
 
     def _final_callback(self) -> None:
         """Root: finish every group (reductions, groups that got no gradient) and go idle."""
