@@ -63,10 +63,15 @@ class ScopedComm:
         kinds: offset added to each collective's kind in the tag (0: training; see
             :meth:`for_summon`), so collectives issued for different purposes never pair.
         name: the group's name, for messages (set by the group that owns this view).
+        rank: this rank's index in the group (the base's; plain attributes, read by the core
+            at every collective).
+        world_size: ranks in the group.
     """
 
     supports_pieces: bool
     pieces_min_bytes: int
+    rank: int
+    world_size: int
 
     def __init__(
         self, base: ProcessGroupComm, key: int, *, kinds: int = 0, name: str | None = None
@@ -77,6 +82,8 @@ class ScopedComm:
         self.name = name
         self.supports_pieces = base.supports_pieces
         self.pieces_min_bytes = base.pieces_min_bytes
+        self.rank = base.rank
+        self.world_size = base.world_size
 
     def for_summon(self) -> ScopedComm:
         """The same group's communicator for ``summon_full_params``: its tags differ from the
@@ -100,16 +107,6 @@ class ScopedComm:
     def coalesces(self) -> bool:
         """Capability: its process group's (several groups' collectives as one bucket)."""
         return self.base.coalesces
-
-    @property
-    def rank(self) -> int:
-        """This rank's index in the group."""
-        return self.base.rank
-
-    @property
-    def world_size(self) -> int:
-        """Ranks in the group."""
-        return self.base.world_size
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
