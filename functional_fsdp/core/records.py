@@ -170,13 +170,28 @@ class GroupLayout:
         """dtype of the packed sharded buffer (``torch.uint8`` when dtypes are mixed)."""
         return self.specs[0].dtype if (self.specs and self.storage.uniform) else torch.uint8
 
-    @property
+    # Derived values read on every step (a reduction reads them per group): computed once per
+    # layout (functools.cached_property on attrs' slotted classes; not fields, so not compared).
+
+    @functools.cached_property
     def gather_buffer_dtype(self) -> torch.dtype:
         """dtype of the all-gather buffers (``torch.uint8`` when dtypes are mixed)."""
         return self.gather_dtypes[0] if (self.specs and self.gather.uniform) else torch.uint8
 
-    # Derived values read on every step (a reduction reads them per group): computed once per
-    # layout (functools.cached_property on attrs' slotted classes; not fields, so not compared).
+    @functools.cached_property
+    def dim0(self) -> bool:
+        """Every parameter is sharded on dim 0 (the fast paths' condition)."""
+        return all(d == 0 for d in self.shard_dims)
+
+    @functools.cached_property
+    def gathers_storage(self) -> bool:
+        """The sharded buffer is the all-gather input as it is: the same packing and dtypes
+        (equal packings are not enough: a byte buffer packing bf16 looks like one of fp16)."""
+        return (
+            all(s.dtype == d for s, d in zip(self.specs, self.gather_dtypes))
+            and self.storage == self.gather
+            and self.storage_dtype == self.gather_buffer_dtype
+        )
 
     @functools.cached_property
     def shard_numel(self) -> int:

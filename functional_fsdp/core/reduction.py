@@ -95,7 +95,6 @@ def pack_grads(
     ws = layout.world_size
     present = [g for g in grads if g is not None]
     dev = device or (present[0].device if present else torch.device("cpu"))
-    numels = [L.prod(s) for s in layout.shard_shapes]
     total = layout.shard_numel
     # torch._chunk_cat rejects empty tensors: zero-size gradients take the general path.
     fast = bool(present) and len(present) == len(grads) and all(g.numel() > 0 for g in present)
@@ -104,7 +103,7 @@ def pack_grads(
             f"pack_grads: out must be ({ws}, {total}) of {dtype}, got {tuple(out.shape)} of "
             f"{out.dtype}"
         )
-    if fast and all(d == 0 for d in layout.shard_dims):
+    if fast and layout.dim0:
         cast = [g if g.dtype == dtype else g.to(dtype) for g in present]
         if out is None:
             out = (alloc or empty_buffer)(ws * total, dtype, dev).view(ws, total)
@@ -116,7 +115,7 @@ def pack_grads(
         out.zero_()
     off = 0
     for i, g in enumerate(grads):
-        n = numels[i]
+        n = L.prod(layout.shard_shapes[i])
         if g is not None:
             dim = layout.shard_dims[i]
             padded = torch.zeros(layout.padded_full_shape(i), dtype=dtype, device=dev)
@@ -255,7 +254,7 @@ def reduce_input(
         lay.world_size > 1
         and compression is None
         and uses_pieces(comm, lay.unsharded_bytes)
-        and all(d == 0 for d in lay.shard_dims)
+        and lay.dim0
         and factors.pre in (None, 1)
         and factors.premul is None
     )

@@ -255,9 +255,7 @@ def pack_for_gather(state: ShardedState) -> torch.Tensor:
     their input); one cast-copy when the group is uniform; a per-parameter copy otherwise.
     """
     lay = state.layout
-    # Equal pack layouts are not enough: a byte buffer packing bf16 looks like one packing fp16.
-    same_dtypes = all(s.dtype == d for s, d in zip(lay.specs, lay.gather_dtypes))
-    if same_dtypes and lay.storage == lay.gather and lay.storage_dtype == lay.gather_buffer_dtype:
+    if lay.gathers_storage:
         return state.flat
     # A byte buffer has alignment gaps between regions: zero them so every rank sends (and the
     # post-forward rows keep) deterministic bytes, as the zero-initialised sharded buffer does.
@@ -339,7 +337,7 @@ class Landed(NamedTuple):
 
 
 def _uniform_dim0(layout: GroupLayout) -> bool:
-    return layout.gather.uniform and all(d == 0 for d in layout.shard_dims)
+    return layout.gather.uniform and layout.dim0
 
 
 def gathers_in_place(layout: GroupLayout) -> bool:
@@ -511,7 +509,7 @@ def _landing_buffer(pending: PendingUnshard, into: torch.Tensor | None) -> torch
             return into
         return buf
     target = into if into is not None else pending.into
-    if target is None and lay.world_size == 1 and all(d == 0 for d in lay.shard_dims):
+    if target is None and lay.world_size == 1 and lay.dim0:
         return pending.output  # one rank's row is already laid out per parameter
     buf = target if target is not None else torch.empty_like(pending.output)
     copy_out(lay, pending.output, buf)
@@ -552,7 +550,7 @@ def copy_out(layout: GroupLayout, output: torch.Tensor, buf: torch.Tensor) -> No
     ws = layout.world_size
     pack, _ = C.wire(layout)
     rows = output.view(ws, pack.total)
-    if not all(d == 0 for d in layout.shard_dims):
+    if not layout.dim0:
         for i in range(len(layout)):
             _copy_out_one(layout, rows, buf, i)
         return
