@@ -40,6 +40,7 @@ gradients (the functional training step) overlap the reduce-scatters with the re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -293,7 +294,7 @@ class GatherCall:
     def event(self, e: Event, **facts: bool) -> tuple[Act, ...]:
         """Advance the call's life cycle by ``e`` and carry out the actions on its buffer, in
         order; returns the actions (those in :data:`CALLERS_ACTS` are the caller's)."""
-        self.phase, acts = advance(self.phase, e, self.config, group=self.group.name, **facts)
+        self.phase, acts = _advance(self.phase, e, self.config, self.group.name, **facts)
         for a in acts:
             carry = _CARRY_OUT.get(a)
             if carry is not None:
@@ -420,6 +421,23 @@ class GatherCall:
     def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:
         """The adjoint of :meth:`reduce` (an all-gather, for a double backward)."""
         return self.group.gather_cotangents(cotangents)
+
+
+@functools.lru_cache(maxsize=4096)
+def _advance(
+    phase: Phase,
+    e: Event,
+    config: LifecycleConfig,
+    name: str,
+    grad: bool = False,
+    keep: bool = False,
+    after_backward: bool = False,
+) -> tuple[Phase, tuple[Act, ...]]:
+    """:func:`~functional_fsdp.core.lifecycle.advance`, remembered (it is pure: a steady
+    functional step looks its transitions up, as a group's own table does)."""
+    return advance(
+        phase, e, config, grad=grad, keep=keep, after_backward=after_backward, group=name
+    )
 
 
 #: The actions a call carries out itself, on its buffer and its modules.
