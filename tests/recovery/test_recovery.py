@@ -415,3 +415,15 @@ def test_rebuilding_without_copies_is_refused_before_anything_changes(one_rank: 
     with pytest.raises(ArgumentTypeError, match="keep_neighbour_copies"):
         rebuild_on_survivors(model, opt, None, None, lambda: (model, opt))  # type: ignore[arg-type]
     assert dist.is_initialized()
+
+
+def test_a_starved_survivor_waits_longer_before_declaring_a_silent_peer_lost() -> None:
+    """A live peer starved of CPU beats late, as this rank does: 0.5 s of a still heartbeat
+    declares a peer lost on a machine where this rank is scheduled every few ms, five times its
+    own longest stall where it is not (a torch 2.11 suite run niced under other jobs declared a
+    live rank lost)."""
+    from functional_fsdp.shell.recovery.rebuild import _dead_after
+
+    assert _dead_after(0.01) == 0.5
+    assert _dead_after(0.3) == pytest.approx(1.5)
+    assert _dead_after(0.0) == 0.5

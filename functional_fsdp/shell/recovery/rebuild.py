@@ -111,22 +111,26 @@ def _agree(
 ) -> tuple[list[Restorable], dict[int, int]]:
     """What each survivor can restore, for the same survivors on every one of them (the first
     decision wins), and the waiting spares that take the lost ranks' places (lost rank ->
-    spare id; empty unless there is one for each). A rank that has not reported is dead once its heartbeat stood still for
-    ``_DEAD_AFTER_S``; nobody waits longer than ``wait_s``."""
+    spare id; empty unless there is one for each). A rank that has not reported is dead once
+    its heartbeat stood still for :func:`_dead_after` (0.5 s, longer when this rank itself is
+    starved); nobody waits longer than ``wait_s``."""
     prefix = f"ffsdp/recover/{epoch}/"
     world_size = copies.world_size
     _report_alive(store, epoch, report)  # (again: the first report came before the teardown)
     deadline = time.monotonic() + wait_s
     keys = [f"{prefix}alive/{r}" for r in range(world_size)]
     beats: dict[int, tuple[int | None, float]] = {}  # rank -> (counter, when it last moved)
+    last = time.monotonic()
+    stall = 0.0  # the longest this rank went between two looks (its own scheduling delay)
     while time.monotonic() < deadline:
         pending = [r for r in range(world_size) if not store.check([keys[r]])]
         now = time.monotonic()
+        stall, last = max(stall, now - last), now
         for r in pending:
             beat = copies.heartbeat(r)
             if r not in beats or beats[r][0] != beat:
                 beats[r] = (beat, now)
-        if all(now - beats[r][1] > _DEAD_AFTER_S for r in pending):
+        if all(now - beats[r][1] > _dead_after(stall) for r in pending):
             break
         time.sleep(0.01)
     copies.stop_heartbeat()
@@ -172,6 +176,15 @@ _SPARES = "ffsdp/spares"
 
 
 _DEAD_AFTER_S = 0.5  # five heartbeats missed
+_STALLS = 5  # a still heartbeat counts only past five of this rank's own scheduling stalls
+
+
+def _dead_after(stall_s: float) -> float:
+    """How long a silent rank's heartbeat must stand still before it is declared lost, given
+    the longest this survivor itself went unscheduled while it watched (``stall_s``). On a
+    loaded machine a live peer's heartbeat thread is starved as this one is: the threshold
+    grows with the starvation this rank sees, within the wait's bound (``wait_s``)."""
+    return max(_DEAD_AFTER_S, _STALLS * stall_s)
 
 
 def rebuild_on_survivors(
