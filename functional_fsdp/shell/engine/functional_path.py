@@ -44,6 +44,7 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -275,15 +276,14 @@ class GatherCall:
         # backward (its adjoint is an all-gather) and the full parameters stay for it.
         self.create_graph = False
         self.phase = Phase()
-        cfg = group.config
-        rg = group.requires_grad
-        self.config = LifecycleConfig(
-            # Each call frees fully (a sub-group's rows are the module path's).
-            reshard_after_forward=cfg.reshard_after_forward is not False,
-            reshard_after_backward=cfg.reshard_after_backward,
-            trains=any(rg),
-            all_train=all(rg),
-            lends=group.lends,
+        # The group's settings and facts, but each call: one module's forward, freed fully (a
+        # sub-group's rows are the module path's), gathered again for its backward.
+        self.config = attrs.evolve(
+            group.lifecycle_config(),
+            forward_users=1,
+            reshard_after_forward=group.config.reshard_after_forward is not False,
+            unshard_in_backward=True,
+            offload=False,
         )
 
     @property

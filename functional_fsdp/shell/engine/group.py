@@ -527,6 +527,13 @@ class ParamGroup(GroupGradients, GroupLending):
             offload=self.offload,
         )
 
+    def lifecycle_config(self) -> LifecycleConfig:
+        """The life cycle's settings and facts now (built once per change of settings)."""
+        lc = self._lc
+        if lc is None:
+            lc = self._lc = self._lifecycle_config()
+        return lc
+
     def _settings_changed(self) -> None:
         """A setting, a communicator or the layout changed: rebuild the life cycle's settings
         and forget the answers of the life cycle and the plan (pure functions of them)."""
@@ -552,13 +559,10 @@ class ParamGroup(GroupGradients, GroupLending):
         key = (self.phase, event, grad, force, keep, last, after_backward)
         known = self._transitions.get(key)
         if known is None:
-            lc = self._lc
-            if lc is None:
-                lc = self._lc = self._lifecycle_config()
             known = advance(
                 self.phase,
                 event,
-                lc,
+                self.lifecycle_config(),
                 grad=grad,
                 force=force,
                 keep=keep,
