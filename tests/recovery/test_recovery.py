@@ -210,7 +210,6 @@ def _run(old_rank: int, port: int, scenario: str) -> dict[str, Any]:
                     store,
                     lambda: _build(policy),
                     epoch=epoch,
-                    wait_s=1.0,
                     reproducible=policy,
                     standby=spec.get("standby", False),
                     standby_timeout_s=60,
@@ -427,3 +426,65 @@ def test_a_starved_survivor_waits_longer_before_declaring_a_silent_peer_lost() -
     assert _dead_after(0.01) == 0.5
     assert _dead_after(0.3) == pytest.approx(1.5)
     assert _dead_after(0.0) == 0.5
+
+
+class _Store:
+    """The store calls ``_agree`` makes, in memory (thread-safe enough: one writer per key)."""
+
+    def __init__(self) -> None:
+        self.d: dict[str, bytes] = {}
+
+    def set(self, k: str, v: str) -> None:
+        self.d[k] = v.encode()
+
+    def get(self, k: str) -> bytes:
+        return self.d[k]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.d for k in keys)
+
+    def add(self, k: str, n: int) -> int:
+        self.d[k] = str(int(self.d.get(k, b"0")) + n).encode()
+        return int(self.d[k])
+
+    def compare_set(self, k: str, old: str, new: str) -> bytes:
+        if self.d.get(k, b"") == old.encode():
+            self.d[k] = new.encode()
+        return self.d[k]
+
+
+class _Copies:
+    """Rank 0's view of a 3-rank world: rank 1 is alive but late, rank 2 is dead (still)."""
+
+    world_size = 3
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def heartbeat(self, rank: int) -> int | None:
+        return int((time.monotonic() - self.t0) * 10) if rank == 1 else 7
+
+    def stop_heartbeat(self) -> None:
+        pass
+
+
+def test_a_live_rank_late_to_report_is_waited_for_and_a_still_one_is_not() -> None:
+    """Rank 1's heartbeat moves and it reports 2.5 s late (its own wait took that long to fail
+    on a loaded machine): with ``rebuild_on_survivors``'s default ``wait_s`` it is alive (a 1 s
+    bound declared such a rank lost in whole-suite runs on torch 2.11). Rank 2's heartbeat stands
+    still: it is lost as soon as rank 1 has reported, not after ``wait_s``."""
+    import inspect
+    import threading
+
+    from functional_fsdp.core.recovery import Restorable
+    from functional_fsdp.shell.recovery.rebuild import _agree, _report_alive, rebuild_on_survivors
+
+    wait_s = inspect.signature(rebuild_on_survivors).parameters["wait_s"].default
+    store = _Store()
+    late = threading.Timer(2.5, _report_alive, (store, 1, Restorable(1, (3,), (3,))))
+    late.start()
+    t0 = time.monotonic()
+    reports, spares = _agree(store, 1, Restorable(0, (3,), (3,)), _Copies(), wait_s)  # type: ignore[arg-type]
+    late.join()
+    assert [r.rank for r in reports] == [0, 1] and spares == {}
+    assert time.monotonic() - t0 < 10  # ended when rank 1 reported, not at wait_s

@@ -113,7 +113,9 @@ def _agree(
     decision wins), and the waiting spares that take the lost ranks' places (lost rank ->
     spare id; empty unless there is one for each). A rank that has not reported is dead once
     its heartbeat stood still for :func:`_dead_after` (0.5 s, longer when this rank itself is
-    starved); nobody waits longer than ``wait_s``."""
+    starved). A rank whose heartbeat moves is alive and is waited for (it reports once its own
+    wait fails, which can take seconds on a loaded machine); nobody waits longer than
+    ``wait_s``."""
     prefix = f"ffsdp/recover/{epoch}/"
     world_size = copies.world_size
     _report_alive(store, epoch, report)  # (again: the first report came before the teardown)
@@ -195,7 +197,7 @@ def rebuild_on_survivors(
     build: Callable[[], tuple[torch.nn.Module, torch.optim.Optimizer]],
     *,
     epoch: int = 1,
-    wait_s: float = 2.0,
+    wait_s: float = 60.0,
     reproducible: ReproduciblePolicy | None = None,
     standby: bool = False,
     standby_timeout_s: float | None = None,
@@ -211,8 +213,11 @@ def rebuild_on_survivors(
         store: the launcher's store (it must outlive every rank: not rank 0's).
         build: makes the model (``fully_shard`` on the default world) and its optimizer.
         epoch: a number new to this store for each recovery (names the new group's prefix).
-        wait_s: the longest survivors wait for each other to report alive (a rank whose
-            heartbeat stopped is declared lost sooner).
+        wait_s: the longest survivors wait for a live rank (its heartbeat moves) to report
+            alive; past it the rank is declared lost. A rank whose heartbeat stopped is
+            declared lost after 0.5 s, whatever ``wait_s``. Keep it well above the time a
+            survivor's failed collective takes to reach every live rank on a loaded machine
+            (a live rank declared lost cannot rejoin: it raises ``StateError``).
         reproducible: the run's :class:`ReproduciblePolicy`, if any (chooses how many survivors
             train on).
         standby: a survivor that does not train on (a spare) waits in this call
