@@ -359,6 +359,7 @@ def make_train_step(
     max_grad_norm: float | None = None,
     donate: bool = False,
     reproducible: ReproduciblePolicy | None = None,
+    compile: bool | str = False,
 ) -> TrainStep:
     """Build ``step(state, batch) -> (state, metrics)`` for a module sharded with ``fully_shard``.
 
@@ -392,6 +393,14 @@ def make_train_step(
             its canonical tree and the norm is ``canonical_global_norm``, so the step gives the
             same bits on every world size dividing ``V`` (and as the module path);
             ``grad_accum`` must be ``V / N`` (``docs/reproducibility.md``).
+        compile: trace each micro-batch's forward and backward whole, the groups' all-gathers
+            and reduce-scatters inside the graphs (:mod:`~functional_fsdp.functional.compiled`,
+            ``docs/compiled_step.md``): ``True`` for ``torch.compile``'s default backend
+            (inductor), or a backend's name (``"aot_eager"``: no code generation, the fastest
+            to compile). The step then has ``step.compile_report()``. Raises
+            :class:`~functional_fsdp.core.errors.UnsupportedError` (before any collective)
+            for what the trace does not cover: tensor parallelism, all-gather codecs,
+            ``shard_placement_fn`` off dim 0, compression, offload, ``reproducible``.
 
     Returns:
         The step function. ``metrics``: ``"loss"`` (the mean loss over the micro-batches and
@@ -410,12 +419,17 @@ def make_train_step(
     policy = _reproducible(model, reproducible, grad_accum, own)
     norms = StepNorms([own[n] for n in trainable], trainable, canonical=policy is not None)
     del own
+    compiled = _compiled(model, loss_fn, trainable, compile, policy)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         _check_state(state, names)
-        acc: Accumulated = accumulate_grads(
-            model, loss_fn, state.params, trainable, batch, grad_accum, has_aux, policy
-        )
+        acc: Accumulated
+        if compiled is not None:
+            acc = compiled.grads(state.params, batch, grad_accum, has_aux)
+        else:
+            acc = accumulate_grads(
+                model, loss_fn, state.params, trainable, batch, grad_accum, has_aux, policy
+            )
         local_loss = acc.loss_sum / grad_accum
         norm, loss = norms.norm_and_loss(acc.grads, local_loss)
         new_state = _apply(opt, state, trainable, acc.grads, norms, donate)
@@ -426,4 +440,33 @@ def make_train_step(
             metrics["aux"] = acc.aux[0] if grad_accum == 1 else acc.aux
         return new_state, metrics
 
+    if compiled is not None:
+        step.compile_report = compiled.report  # type: ignore[attr-defined]
     return step
+
+
+def _compiled(
+    model: nn.Module,
+    loss_fn: LossFn,
+    trainable: list[str],
+    compile: bool | str,
+    policy: ReproduciblePolicy | None,
+) -> Any:
+    """The compiled forward and backward (``None``: eager), checked before any collective."""
+    if compile is False:
+        return None
+    if not (compile is True or (isinstance(compile, str) and compile)):
+        raise ArgumentTypeError(
+            f"make_train_step: compile must be True, False or a torch.compile backend name, "
+            f"got {compile!r}"
+        )
+    if policy is not None:
+        from ..core.errors import UnsupportedError
+
+        raise UnsupportedError(
+            "make_train_step(compile=...) does not reduce in a ReproduciblePolicy's canonical "
+            "tree yet; make the step without compile for bit-identical runs across world sizes"
+        )
+    from .compiled import CompiledGrads
+
+    return CompiledGrads(model, loss_fn, trainable, "inductor" if compile is True else compile)

@@ -1,0 +1,247 @@
+"""The compiled training step (``make_train_step(..., compile=...)``) on 2 gloo ranks.
+
+Compiled with ``aot_eager`` (AOTAutograd's graphs run op by op, no code generation: inductor
+takes minutes a model on this machine), so the comparison with the eager step is exact: the
+same aten ops in the same order, the all-gathers and reduce-scatters as graph nodes. Each case
+compiles once (a few seconds a rank); the model is a 2-block GPT whose vocabulary (101 rows)
+does not split evenly, so padding is traced too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from _dist import World
+from _functional_helpers import _full, _functional_opt, _loss, _rank
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.fixture
+def world(world2: World) -> World:
+    return world2
+
+
+def _small(**kw: Any) -> nn.Module:
+    from functional_fsdp import fully_shard
+    from functional_fsdp.testing.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab=101, dim=32, n_layers=2, n_heads=2, seq=8))
+    for block in model.blocks:
+        fully_shard(block, **kw)
+    return fully_shard(model, **kw)
+
+
+def _batch(step: int, rank: int, n: int = 2) -> Any:
+    from functional_fsdp.testing.models import GPTConfig, synthetic_batch
+
+    return synthetic_batch(
+        GPTConfig(vocab=101, dim=32, n_layers=2, n_heads=2, seq=8), n, seed=100 * step + rank
+    )
+
+
+def _train(
+    model: nn.Module,
+    compile: Any,
+    steps: int,
+    state: Any = None,
+    start: int = 0,
+    step: Any = None,
+    **kw: Any,
+) -> Any:
+    from functional_fsdp.functional import init, make_train_step
+
+    opt = _functional_opt("adamw")
+    if step is None:
+        step = make_train_step(model, _loss, opt, compile=compile, **kw)
+    state = init(model, opt) if state is None else state
+    losses = []
+    for s in range(start, start + steps):
+        state, metrics = step(state, _batch(s, _rank(), n=2 * kw.get("grad_accum", 1)))
+        losses.append(metrics["loss"].item())
+    return state, losses, step
+
+
+def _diff(a: Any, b: Any) -> float:
+    from functional_fsdp.core._tree import tree_leaves
+
+    return max(
+        (_full(x).float() - _full(y).float()).abs().max().item()
+        for x, y in zip(tree_leaves(a), tree_leaves(b))
+    )
+
+
+def _case_fp32(path: str) -> dict[str, Any]:
+    """Compiled against eager (4 steps), against one process on the global batch, and resumed
+    from a checkpoint the eager step wrote."""
+    import torch.distributed.checkpoint as dcp
+
+    from functional_fsdp.functional import from_state_dict, init, to_state_dict
+
+    eager, eager_losses, _ = _train(_small(), False, 4)
+    compiled, losses, step = _train(_small(), "aot_eager", 4)
+    ref_losses, ref_params = _reference(4)
+    # Resume: 2 eager steps, a DCP checkpoint, 2 compiled steps from it (the same step: its
+    # graph is compiled for the model, not for a state).
+    half, _, _ = _train(_small(), False, 2)
+    dcp.save(to_state_dict(half), checkpoint_id=path)
+    template = init(_small(), _functional_opt("adamw"))
+    sd = to_state_dict(template)
+    dcp.load(sd, checkpoint_id=path)
+    resumed, _, _ = _train(_small(), "", 2, from_state_dict(template, sd), start=2, step=step)
+    return {
+        "params": _diff(compiled.params, eager.params),
+        "opt": _diff(compiled.opt_state, eager.opt_state),
+        "losses": (losses, eager_losses),
+        "resumed": _diff(resumed.params, eager.params),
+        # Per tensor in the 2-norm: AdamW turns last-bit differences of near-zero gradient
+        # entries into lr-sized steps of single entries (see test_functional_step.py).
+        "reference": max(
+            ((_full(compiled.params[n]) - p).norm() / p.norm()).item()
+            for n, p in ref_params.items()
+        ),
+        "reference_losses": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "report": step.compile_report(),
+    }
+
+
+def test_compiled_step_is_bit_identical_to_the_eager_step_and_resumes_from_its_checkpoint(
+    world: World, tmp_path: Any
+) -> None:
+    for r in world.run(_case_fp32, str(tmp_path / "ckpt")):
+        assert r["params"] == 0.0 and r["opt"] == 0.0
+        assert r["losses"][0] == r["losses"][1]
+        assert r["resumed"] == 0.0
+        # One process on the global batch sums in another order: float rounding only. (The
+        # global loss is the ranks' mean; the reference's is the global batch's: equal sizes.)
+        assert r["reference"] < 1e-5 and r["reference_losses"] < 1e-5
+        rep = r["report"]
+        assert rep.graphs == 1 and rep.recompiles == 0  # 6 steps from 2 states, one graph
+        # 3 groups: every all-gather and reduce-scatter is a graph node; the blocks
+        # (reshard_after_forward) are gathered again in the backward graph, the root is not.
+        assert rep.forward_collectives == {"all_gather_into_tensor": 3}
+        assert rep.backward_collectives == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 3}
+
+
+def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the plain model, the global batch (both ranks'), torch's AdamW."""
+    from functional_fsdp.testing.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    ref = GPT(GPTConfig(vocab=101, dim=32, n_layers=2, n_heads=2, seq=8))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    out = []
+    for s in range(steps):
+        (x0, y0), (x1, y1) = _batch(s, 0), _batch(s, 1)
+        loss = ref.loss(torch.cat([x0, x1]), torch.cat([y0, y1]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append(loss.item())
+    return out, {n: p.detach() for n, p in ref.named_parameters()}
+
+
+def _case_bf16() -> dict[str, Any]:
+    """bf16 parameters, fp32 reduction, 2 micro-batches, has_aux."""
+    from functional_fsdp import MixedPrecisionPolicy
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+    def loss_aux(model: nn.Module, batch: Any) -> Any:
+        loss = model.loss(*batch)
+        return loss, loss.detach() * 2
+
+    out = {}
+    for mode in (False, "aot_eager"):
+        from functional_fsdp.functional import init, make_train_step
+
+        model = _small(mp_policy=mp)
+        opt = _functional_opt("adamw")
+        step = make_train_step(model, loss_aux, opt, compile=mode, grad_accum=2, has_aux=True)
+        state = init(model, opt)
+        for s in range(3):
+            state, metrics = step(state, _batch(s, _rank(), n=4))
+        out[mode] = (state, metrics["aux"], step)
+    (eager, eager_aux, _), (compiled, aux, step) = out[False], out["aot_eager"]
+    return {
+        "params": _diff(compiled.params, eager.params),
+        "dtypes": sorted({str(_full(p).dtype) for p in compiled.params.values()}),
+        "aux": [a.item() for a in aux] == [a.item() for a in eager_aux],
+        "report": step.compile_report(),
+    }
+
+
+def test_compiled_step_keeps_mixed_precision_and_gradient_accumulation(world: World) -> None:
+    for r in world.run(_case_bf16):
+        assert r["params"] == 0.0 and r["aux"]
+        assert r["dtypes"] == ["torch.float32"]  # the sharded parameters stay fp32
+        assert r["report"].graphs == 1 and r["report"].recompiles == 0  # 6 micro-batches
+
+
+def _case_hsdp() -> dict[str, Any]:
+    """HSDP on a (2 replicas, 1 shard) mesh, blocks kept unsharded after forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+
+    def build() -> nn.Module:
+        from functional_fsdp import fully_shard
+        from functional_fsdp.testing.models import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab=101, dim=32, n_layers=2, n_heads=2, seq=8))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=False)
+        return fully_shard(model, mesh=mesh)
+
+    eager, _, _ = _train(build(), False, 3)
+    compiled, _, step = _train(build(), "aot_eager", 3)
+    return {"params": _diff(compiled.params, eager.params), "report": step.compile_report()}
+
+
+def test_compiled_step_runs_hsdp_and_keeps_what_reshard_after_forward_keeps(world: World) -> None:
+    for r in world.run(_case_hsdp):
+        assert r["params"] == 0.0
+        rep = r["report"]
+        # The replicas' all-reduce is in the backward graph; no group is gathered again.
+        assert rep.backward_collectives == {"reduce_scatter_tensor": 3, "all_reduce": 3}
+        assert rep.forward_collectives == {"all_gather_into_tensor": 3}
+
+
+def _case_refusals() -> list[str]:
+    from functional_fsdp import ReproduciblePolicy
+    from functional_fsdp.core.errors import ArgumentTypeError, UnsupportedError
+    from functional_fsdp.functional import make_train_step
+
+    opt = _functional_opt("adamw")
+    out = []
+    for model, compile, err in [
+        (_small(), 3, ArgumentTypeError),
+        (_small(reproducible=ReproduciblePolicy(2)), "aot_eager", UnsupportedError),
+        (
+            _small(shard_placement_fn=lambda p: None if p.dim() < 2 else _shard1()),
+            "aot_eager",
+            UnsupportedError,
+        ),
+    ]:
+        with pytest.raises(err) as info:
+            make_train_step(model, _loss, opt, compile=compile)
+        out.append(str(info.value))
+    return out
+
+
+def _shard1() -> Any:
+    from torch.distributed.tensor import Shard
+
+    return Shard(1)
+
+
+def test_what_the_compiled_step_does_not_trace_is_refused_by_name(world: World) -> None:
+    for messages in world.run(_case_refusals):
+        assert "compile must be True, False or a torch.compile backend name" in messages[0]
+        assert "ReproduciblePolicy" in messages[1]
+        assert "sharded on a dim other than 0" in messages[2]
