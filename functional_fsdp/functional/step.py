@@ -383,35 +383,24 @@ def make_train_step(
         has_aux: ``loss_fn`` returns ``(loss, aux)`` (as ``jax.value_and_grad(has_aux=True)``);
             ``metrics["aux"]`` is ``aux`` detached (a list over micro-batches if
             ``grad_accum > 1``).
-        max_grad_norm: deprecated shortcut for ``chain(clip_by_global_norm(max_grad_norm),
-            optimizer)`` (warns).
+        max_grad_norm: deprecated (warns): ``chain(clip_by_global_norm(n), optimizer)``.
         donate: like JAX's ``donate_argnums``: the step updates the input state's parameters
             and moments in place, saving one copy of them per step. The input state is consumed:
             using it again raises :class:`~functional_fsdp.core.errors.DonatedStateError`.
-        reproducible: a :class:`~functional_fsdp.ReproduciblePolicy` (default: the one the
-            model's groups were sharded with, if any): the micro-batch gradients are summed in
-            its canonical tree and the norm is ``canonical_global_norm``, so the step gives the
-            same bits on every world size dividing ``V`` (and as the module path);
-            ``grad_accum`` must be ``V / N`` (``docs/reproducibility.md``).
-        compile: trace each micro-batch's forward and backward whole, the groups' all-gathers
-            and reduce-scatters inside the graphs (:mod:`~functional_fsdp.functional.compiled`,
-            ``docs/compiled_step.md``): ``True`` for ``torch.compile``'s default backend
-            (inductor), or a backend's name (``"aot_eager"``: no code generation, the fastest
-            to compile). The step then has ``step.compile_report()``. Raises
-            :class:`~functional_fsdp.core.errors.UnsupportedError` (before any collective)
-            for what the trace does not cover: tensor parallelism, all-gather codecs,
-            ``shard_placement_fn`` off dim 0, compression, offload, ``reproducible``.
+        reproducible: a :class:`~functional_fsdp.ReproduciblePolicy` (default: the model's
+            groups'): gradients summed in its canonical tree, the norm canonical: the same bits
+            on every world size dividing ``V``; ``grad_accum`` must be ``V / N``
+            (``docs/reproducibility.md``).
+        compile: ``True`` (inductor) or a ``torch.compile`` backend's name (``"aot_eager"``):
+            forward and backward traced whole, collectives in the graphs; ``step.compile_report()``
+            (``docs/compiled_step.md``). Raises ``UnsupportedError`` for what it cannot trace.
 
     Returns:
         The step function. ``metrics``: ``"loss"`` (the mean loss over the micro-batches and
         the data-parallel ranks), ``"local_loss"`` (this rank's), ``"grad_norm"`` (global, before
         clipping), ``"lr"`` (a float, when the optimizer reports one) and ``"aux"``.
     """
-    _check_model(model, "make_train_step")
-    check_functional_optimizer(optimizer, "make_train_step")
-    _check_activation_checkpointing(model)
-    if not isinstance(grad_accum, int) or grad_accum < 1:
-        raise HyperparameterError(f"grad_accum must be a positive int, got {grad_accum!r}")
+    _check_arguments(model, optimizer, grad_accum)
     opt = as_optimizer(_with_clipping(optimizer, max_grad_norm))
     names = [n for n, _ in model.named_parameters()]
     trainable = _trainable(model)
@@ -419,17 +408,11 @@ def make_train_step(
     policy = _reproducible(model, reproducible, grad_accum, own)
     norms = StepNorms([own[n] for n in trainable], trainable, canonical=policy is not None)
     del own
-    compiled = _compiled(model, loss_fn, trainable, compile, policy)
+    grads_of, report = _gradients(model, loss_fn, trainable, grad_accum, has_aux, policy, compile)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         _check_state(state, names)
-        acc: Accumulated
-        if compiled is not None:
-            acc = compiled.grads(state.params, batch, grad_accum, has_aux)
-        else:
-            acc = accumulate_grads(
-                model, loss_fn, state.params, trainable, batch, grad_accum, has_aux, policy
-            )
+        acc: Accumulated = grads_of(state.params, batch)
         local_loss = acc.loss_sum / grad_accum
         norm, loss = norms.norm_and_loss(acc.grads, local_loss)
         new_state = _apply(opt, state, trainable, acc.grads, norms, donate)
@@ -440,9 +423,36 @@ def make_train_step(
             metrics["aux"] = acc.aux[0] if grad_accum == 1 else acc.aux
         return new_state, metrics
 
-    if compiled is not None:
-        step.compile_report = compiled.report  # type: ignore[attr-defined]
+    if report is not None:
+        step.compile_report = report  # type: ignore[attr-defined]
     return step
+
+
+def _gradients(
+    model: nn.Module,
+    loss_fn: LossFn,
+    trainable: list[str],
+    grad_accum: int,
+    has_aux: bool,
+    policy: ReproduciblePolicy | None,
+    compile: bool | str,
+) -> tuple[Callable[[dict[str, Any], Any], Accumulated], Any]:
+    """``grads_of(params, batch)``, eager or compiled, and the compiled one's report (or
+    ``None``)."""
+    compiled = _compiled(model, loss_fn, trainable, compile, policy)
+    if compiled is not None:
+        return (lambda p, b: compiled.grads(p, b, grad_accum, has_aux)), compiled.report
+    return (
+        lambda p, b: accumulate_grads(model, loss_fn, p, trainable, b, grad_accum, has_aux, policy)
+    ), None
+
+
+def _check_arguments(model: nn.Module, optimizer: Any, grad_accum: Any) -> None:
+    _check_model(model, "make_train_step")
+    check_functional_optimizer(optimizer, "make_train_step")
+    _check_activation_checkpointing(model)
+    if not isinstance(grad_accum, int) or grad_accum < 1:
+        raise HyperparameterError(f"grad_accum must be a positive int, got {grad_accum!r}")
 
 
 def _compiled(

@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "FSDP2Swap": ".api.as_fsdp2",
     "share_comm_ctx": ".api.module",
     "DeferredReductions": ".engine.functional_path",
+    "TracedModel": ".api.traced",
     "TreeReductions": ".engine.reproducible",
     "set_local_optimizer_step": ".engine.local_step",
     "ProcessGroupComm": ".comm.process_group",

@@ -37,6 +37,7 @@ ALLOWED_INTERNAL = {
     "coalesce": {"errors", "records", "comm", "reduction", "transitions"},
     "lifecycle": {"errors"},
     "plan": {"coalesce"},
+    "traced": {"records"},
 }
 
 
