@@ -28,6 +28,12 @@ parameters and Adam state after each step: the cost of surviving a lost rank). `
 (``fully_shard(model, bucket_bytes=B)``: ``4M``, ``512K``, bytes; ``ours:0`` is one collective
 per group, as FSDP2). ``--micro-batches K`` splits each rank's batch into ``K`` accumulated micro-batches, gradient sync
 on the last only (DDP: ``no_sync``), as FSDP2's accumulation recipe does.
+``step``: ours' functional step (``make_train_step``, the functional AdamW) on the same sharded
+model; ``compiled`` (``compiled:BACKEND``, default ``aot_eager``; ``compiled:inductor``): the same
+step with ``compile=BACKEND``, every group's all-gather and reduce-scatter inside the traced
+graphs (docs/compiled_step.md); its compile time (the first step's extra time) is printed.
+``fsdp2c``: FSDP2 with each block's forward compiled by inductor (its hooks stay eager), as
+torchtitan compiles per block; the warmup absorbs the compilation.
 ``FFSDP_HOST_POOL_BYTES=N`` in the environment sizes ours' host buffer pool for every variant of
 the run (0: off; ``set_host_buffer_pool_bytes``). DDP runs its loss through its own forward, and
 the run fails unless its ranks end with equal parameters (proof that it all-reduced).
@@ -117,9 +123,9 @@ def _build(
     variant = _use_tree(variant).partition(":")[0]
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    if variant in ("ours", "fsdp2", "repro", "copies"):
+    if variant in ("ours", "fsdp2", "fsdp2c", "repro", "copies", "step", "compiled"):
         kw: dict = {}
-        if variant == "fsdp2":
+        if variant in ("fsdp2", "fsdp2c"):
             from torch.distributed.fsdp import fully_shard
         else:
             from functional_fsdp import fully_shard
@@ -213,7 +219,13 @@ def _worker(
         dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=ws)
     cfg = MODELS[args.model][0]
     model = _build(variant, cfg, None, args.micro_batches, device)
-    if args.compile:
+    base = variant.partition("@")[0].partition(":")[0]
+    if base in ("step", "compiled"):
+        out.put(_functional(model, variant, args, cfg, rank, device))  # type: ignore[attr-defined]
+        if ws > 1:
+            dist.destroy_process_group()
+        return
+    if args.compile or base == "fsdp2c":
         # Each block's forward compiled with inductor (FSDP's hooks stay eager); warmup steps
         # absorb the compilation.
         blocks = model.module.gpt.blocks if variant == "ddp" else model.blocks  # type: ignore[union-attr]
@@ -279,6 +291,55 @@ def _worker(
         dist.destroy_process_group()
 
 
+def _functional(
+    model: torch.nn.Module,
+    variant: str,
+    args: argparse.Namespace,
+    cfg: GPTConfig,
+    rank: int,
+    device: torch.device,
+) -> dict:
+    """The ``step`` and ``compiled`` variants: ours' functional step (AdamW, lr 1e-4 as the
+    others), ``grad_accum`` micro-batches, timed as the module-API variants are."""
+    from functional_fsdp.functional import adamw, init, make_train_step
+
+    base, _, backend = variant.partition("@")[0].partition(":")
+    opt = adamw(1e-4)
+    step = make_train_step(
+        model,
+        lambda m, b: m.loss(*b),
+        opt,
+        grad_accum=args.micro_batches,
+        compile=(backend or "aot_eager") if base == "compiled" else False,
+    )
+    state = init(model, opt)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        x, y = (t.to(device) for t in synthetic_batch(cfg, args.batch, seed=1000 * i + rank))
+        if dist.is_initialized():
+            dist.barrier()
+        t0 = time.perf_counter()
+        state, metrics = step(state, (x, y))
+        times.append(time.perf_counter() - t0)
+        losses.append(metrics["local_loss"].item())
+    report = step.compile_report() if base == "compiled" else None  # type: ignore[attr-defined]
+    return {
+        "variant": variant,
+        "rank": rank,
+        "step_ms": 1e3 * statistics.median(times[args.warmup :]),
+        "mean_ms": 1e3 * statistics.mean(times[args.warmup :]),
+        "peak_rss_mib": _peak_rss_mib(),
+        "peak_gpu_mib": 0.0,
+        "final_loss": losses[-1],
+        "local_param_numel": sum(p._local_tensor.numel() for p in state.params.values()),
+        "replicas_equal": True,
+        "waits": [0.0, 0.0],
+        "faults": 0.0,
+        "compile_s": 0.0 if report is None else report.compile_seconds,
+        "graphs": 0 if report is None else report.graphs,
+    }
+
+
 class _Wire:
     """The ``wire`` variant's traffic: ours' messages of a step (:func:`_messages`, the same
     elements to and from every peer, point to point as ours sends them on gloo), all posted
@@ -314,7 +375,13 @@ def _wait_stats() -> tuple[float, float]:
 
 def _set_sync(model: torch.nn.Module, variant: str, on: bool) -> None:
     """Gradient sync on the last micro-batch only (FSDP2's ``set_requires_gradient_sync``)."""
-    if variant.partition("@")[0].partition(":")[0] in ("ours", "fsdp2", "repro", "copies"):
+    if variant.partition("@")[0].partition(":")[0] in (
+        "ours",
+        "fsdp2",
+        "fsdp2c",
+        "repro",
+        "copies",
+    ):
         model.set_requires_gradient_sync(on)  # type: ignore[operator]
 
 
@@ -359,6 +426,8 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
         "faults": max(r["faults"] for r in results),
         "final_loss": results[0]["final_loss"],
         "local_param_numel": results[0]["local_param_numel"],
+        "compile_s": max(r.get("compile_s", 0.0) for r in results),
+        "graphs": max(r.get("graphs", 0) for r in results),
     }
 
 
@@ -439,6 +508,15 @@ def main() -> None:
                 f"{_label(v)} {r['step_ms'] - floor:.1f} ms ({(r['step_ms'] - floor) / ddp:.2f})"
                 for v, r in rows.items()
                 if v != "floor"
+            )
+        )
+    compiled = {v: r for v, r in rows.items() if r.get("graphs")}
+    if compiled:
+        print(
+            "compiled step: "
+            + "; ".join(
+                f"{_label(v)} compiled {r['graphs']} graph(s) in {r['compile_s']:.1f} s"
+                for v, r in compiled.items()
             )
         )
     blocked = {v: r["waits"] for v, r in rows.items() if r["waits"][0] > 0}

@@ -36,6 +36,7 @@ COMMANDS = {
     "test_functional_train_example_runs": ("02_functional_train.py", "--steps", "8"),
     "test_int8_all_gather_example_runs": ("06_int8_all_gather.py", "--steps", "2"),
     "test_use_as_fsdp2_example_runs": ("08_use_as_fsdp2.py",),
+    "test_compiled_step_example_runs": ("09_compiled_step.py", "--steps", "3"),
 }
 PARALLEL = 2
 
@@ -159,3 +160,11 @@ def test_use_as_fsdp2_example_runs(example: Callable[[], str]) -> None:
     under use_as_fsdp2() and trains with FSDP2's losses (the script asserts them)."""
     out = example()
     assert "under use_as_fsdp2(), FSDP2's losses" in out, out
+
+
+def test_compiled_step_example_runs(example: Callable[[], str]) -> None:
+    """examples/09_compiled_step.py: the step compiled with aot_eager, its collectives in the
+    graphs, equal to the eager step bit for bit (the script asserts it)."""
+    out = example()
+    assert "bit-identical: True" in out, out
+    assert "'reduce_scatter_tensor': 3" in out, out

@@ -26,6 +26,7 @@ and output casts kept as plain hooks) is what ``loss_fn`` sees.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,18 @@ from ..recovery.copies import model_groups
 from .state import _cast_floats
 
 __all__ = ["TracedModel"]
+
+
+class _NoInPlaceNotice(logging.Filter):
+    """Drops torch's notice that a checkpointed region must not mutate in place, logged once per
+    process for every ``context_fn`` under ``torch.compile``: the regions here (a cast, an
+    all-gather and views) have no in-place op."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "context_fn is passed to torch.utils.checkpoint" not in record.getMessage()
+
+
+logging.getLogger("torch._higher_order_ops.wrap").addFilter(_NoInPlaceNotice())
 
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
 _reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
