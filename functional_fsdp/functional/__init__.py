@@ -48,6 +48,7 @@ if TYPE_CHECKING:
         to_state_dict,
         to_torch_optimizer,
     )
+    from .compiled import CompileReport, compile_backward
     from .step import (
         LossFn,
         TrainState,
@@ -69,6 +70,7 @@ _SHELL_HALF = {
         "to_state_dict",
         "to_torch_optimizer",
     ),
+    "compiled": ("CompileReport", "compile_backward"),
     "step": (
         "LossFn",
         "TrainState",
@@ -93,6 +95,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "AdamWState",
+    "CompileReport",
     "EmptyState",
     "GradientTransformation",
     "InitFn",
@@ -118,6 +121,7 @@ __all__ = [
     "chain",
     "check_not_donated",
     "clip_by_global_norm",
+    "compile_backward",
     "from_state_dict",
     "from_torch_optimizer",
     "global_norm",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -22,11 +22,11 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..core.errors import UnsupportedError
+from ..core.errors import ArgumentTypeError, UnsupportedError
 from ..shell import TracedModel
 from ._stepping import Accumulated, _loss_and_aux, split_batch
 
-__all__ = ["CompileReport", "CompiledGrads"]
+__all__ = ["CompileReport", "CompiledGrads", "compile_backward"]
 
 
 @attrs.frozen
@@ -186,3 +186,65 @@ def _collectives(gm: Any) -> dict[str, int]:
 
 def _local(t: Any) -> Any:
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def compile_backward(
+    model: nn.Module,
+    loss_fn: Any,
+    *,
+    compile: bool | str = True,
+    grad_accum: int = 1,
+) -> Callable[[Any], torch.Tensor]:
+    """The compiled step for the module API: ``backward(batch) -> loss`` runs ``loss_fn`` and its
+    backward as graphs with every group's all-gather and reduce-scatter inside (see
+    :func:`~functional_fsdp.functional.make_train_step`'s ``compile``), on ``model``'s own
+    sharded parameters, and accumulates the reduced gradients into their ``.grad`` as
+    ``loss.backward()`` through the FSDP hooks would. A torch optimizer steps as usual::
+
+        backward = compile_backward(model, lambda m, b: m.loss(*b), compile="aot_eager")
+        for batch in data:
+            loss = backward(batch)
+            opt.step()
+            opt.zero_grad()
+
+    Args:
+        model: the root module sharded with ``fully_shard``.
+        loss_fn: ``loss_fn(module, batch) -> scalar``.
+        compile: ``True`` (inductor) or a ``torch.compile`` backend's name.
+        grad_accum: micro-batches per call (``batch`` split on dim 0), each loss divided by it.
+
+    Returns:
+        ``backward(batch)``: the mean loss over the micro-batches (detached). The compile report
+        is ``backward.compile_report()``.
+
+    Raises:
+        UnsupportedError: what the trace does not cover (as ``make_train_step``), before any
+            collective.
+    """
+    from .step import _check_arguments, _compiled, _trainable
+
+    _check_arguments(model, None, grad_accum, optimizer_required=False)
+    if compile is False:
+        raise ArgumentTypeError(
+            "compile_backward: compile=False compiles nothing; without compiling, call "
+            "loss_fn(model, batch).backward() (the FSDP hooks reduce the gradients)"
+        )
+    trainable = _trainable(model)
+    compiled = _compiled(model, loss_fn, trainable, compile, None)
+    own = dict(model.named_parameters())
+
+    def backward(batch: Any) -> torch.Tensor:
+        acc = compiled.grads(own, batch, grad_accum, False)
+        with torch.no_grad():
+            for n, g in zip(trainable, acc.grads):
+                p = own[n]
+                if p.grad is None:
+                    p.grad = (
+                        DTensor(g, p._spec, requires_grad=False) if isinstance(p, DTensor) else g
+                    )
+                else:
+                    _local(p.grad).add_(g)
+        return acc.loss_sum / grad_accum
+
+    backward.compile_report = compiled.report  # type: ignore[attr-defined]
+    return backward

@@ -447,9 +447,12 @@ def _gradients(
     ), None
 
 
-def _check_arguments(model: nn.Module, optimizer: Any, grad_accum: Any) -> None:
+def _check_arguments(
+    model: nn.Module, optimizer: Any, grad_accum: Any, *, optimizer_required: bool = True
+) -> None:
     _check_model(model, "make_train_step")
-    check_functional_optimizer(optimizer, "make_train_step")
+    if optimizer_required:
+        check_functional_optimizer(optimizer, "make_train_step")
     _check_activation_checkpointing(model)
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise HyperparameterError(f"grad_accum must be a positive int, got {grad_accum!r}")

@@ -212,6 +212,44 @@ def test_compiled_step_runs_hsdp_and_keeps_what_reshard_after_forward_keeps(worl
         assert rep.forward_collectives == {"all_gather_into_tensor": 3}
 
 
+def _case_module_api() -> dict[str, Any]:
+    """fully_shard + torch.optim.AdamW: loss.backward() through the hooks against
+    compile_backward, 3 steps each."""
+    from functional_fsdp.functional import compile_backward
+
+    out = {}
+    for mode in (False, "aot_eager"):
+        model = _small()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+        backward = compile_backward(model, _loss, compile=mode) if mode else None
+        losses = []
+        for s in range(3):
+            batch = _batch(s, _rank())
+            if backward is None:
+                loss = _loss(model, batch)
+                loss.backward()
+            else:
+                loss = backward(batch)
+            losses.append(loss.item())
+            opt.step()
+            opt.zero_grad()
+        out[mode] = ({n: p.detach().full_tensor() for n, p in model.named_parameters()}, losses)
+        report = None if backward is None else backward.compile_report()  # type: ignore[attr-defined]
+    (eager, eager_losses), (compiled, losses) = out[False], out["aot_eager"]
+    return {
+        "params": max((eager[n] - compiled[n]).abs().max().item() for n in eager),
+        "losses": losses == eager_losses,
+        "report": report,
+    }
+
+
+def test_compile_backward_trains_a_fully_shard_module_with_a_torch_optimizer(world: World) -> None:
+    for r in world.run(_case_module_api):
+        assert r["params"] == 0.0 and r["losses"]
+        assert r["report"].graphs == 1
+        assert r["report"].backward_collectives["reduce_scatter_tensor"] == 3
+
+
 def _case_refusals() -> list[str]:
     from functional_fsdp import ReproduciblePolicy
     from functional_fsdp.core.errors import ArgumentTypeError, UnsupportedError
