@@ -1,13 +1,18 @@
 """The model's forward as one traceable function of its local shards (the compiled step's).
 
 :class:`TracedModel` is what ``make_train_step(..., compile=...)`` compiles
-(:mod:`functional_fsdp.functional.compiled`). Instead of the module's FSDP hooks (eager Python
-around every group), its :meth:`~TracedModel.forward` is, as SimpleFSDP writes it:
+(:mod:`functional_fsdp.functional.compiled`). It runs ``loss_fn`` on a *skeleton* of the model
+(the same classes and submodules, the package's hooks dropped), whose FSDP modules each have one
+traceable pre-forward hook instead of the eager engine's:
 
-    for every group: flat = pack_shards(its local shards)            # core/traced.py
-                     full = gather(flat)          # a functional all-gather: a graph node
-                     params += full_params(full)  # views, core/traced.py
-    loss = loss_fn(skeleton, batch)               # functional_call on a hook-free copy
+    when a group's module starts its forward (once per call):
+        flat = pack_shards(this call's local shards of the group)   # core/traced.py
+        full = gather(flat)                     # a functional all-gather: a graph node
+        set full_params(full) on the modules that hold them         # views, core/traced.py
+
+so the traced forward gathers each group where FSDP2 would, just before its module runs, and
+its full parameters die after their last use. The attributes are removed before the trace ends
+(a tensor left on a module would become a graph output and change the next call's guards).
 
 ``gather`` is an autograd function whose forward casts to the group's gather dtype
 (``param_dtype``) and all-gathers with PyTorch's traceable functional collectives, and whose
@@ -18,9 +23,9 @@ default, as FSDP2's lazy init decides) the gather and its unpacking are marked m
 for AOTAutograd's partitioner, so the backward graph gathers again instead of keeping the full
 parameters from the forward.
 
-The module itself is not run: a *skeleton* (the same classes and submodules, parameters
-replaced by meta placeholders, the package's hooks dropped, the mixed-precision policy's input
-and output casts kept as plain hooks) is what ``loss_fn`` sees.
+The skeleton keeps the mixed-precision policy's input and output casts as plain hooks; its
+FSDP-managed parameters are not registered (``loss_fn`` reading ``module.parameters()`` sees
+none of them).
 """
 
 from __future__ import annotations
@@ -202,10 +207,12 @@ _HOOK_DICTS = (
 )
 
 
-def _skeleton(model: nn.Module) -> nn.Module:
+def _skeleton(model: nn.Module, gathered: set[int]) -> tuple[nn.Module, dict[int, nn.Module]]:
     """A hook-free stand-in for ``model``: the same classes (FSDP's subclasses undone) and
-    attributes, each parameter a meta tensor of its full shape (ties kept), buffers shared,
-    the package's forward hooks dropped and the mixed-precision casts kept as plain hooks."""
+    attributes, buffers shared, the package's forward hooks dropped and the mixed-precision
+    casts kept as plain hooks. Parameters whose id is in ``gathered`` are left out (the traced
+    forward sets them, gathered, as plain attributes); any other is a meta tensor of its full
+    shape (ties kept). Also returns each original module's copy, by id."""
     placeholders: dict[int, nn.Parameter] = {}
     done: dict[int, nn.Module] = {}
 
@@ -227,7 +234,11 @@ def _skeleton(model: nn.Module) -> nn.Module:
         new = cls.__new__(cls)
         new.__dict__.update(m.__dict__)
         new.__dict__.pop("_ffsdp_state", None)
-        new._parameters = {k: None if p is None else meta(p) for k, p in m._parameters.items()}
+        new._parameters = {
+            k: None if p is None else meta(p)
+            for k, p in m._parameters.items()
+            if p is None or id(p) not in gathered
+        }
         new._buffers = dict(m._buffers)
         for d in _HOOK_DICTS:
             hooks = getattr(m, d, None)
@@ -249,7 +260,7 @@ def _skeleton(model: nn.Module) -> nn.Module:
             _keep_casts(new, state.mp_policy)
         return new
 
-    return copy(model)
+    return copy(model), done
 
 
 def _keep_casts(module: nn.Module, policy: Any) -> None:
@@ -294,16 +305,55 @@ class TracedModel:
     def __init__(self, model: nn.Module, loss_fn: Any) -> None:
         self._traces = _group_traces(model)
         self._gathers = [t.gather_fn() for t in self._traces]
-        self._caller = _LossOf(_skeleton(model), loss_fn)
         self.order = [n for t in self._traces for n in t.names]
+        groups = [g for g, _ in model_groups(model)]
+        holders = [g.holders for g in groups]
+        gathered = {id(getattr(m, a)) for hs in holders for h in hs for m, a in h}
+        skeleton, copies = _skeleton(model, gathered)
+        self._caller = _LossOf(skeleton, loss_fn)
+        # Filled by forward(): this call's local shards, and which groups it has gathered.
+        self._box: dict[str, Any] = {}
+        starts = [0]
+        for t in self._traces:
+            starts.append(starts[-1] + len(t.names))
+        self._targets: list[Any] = []
+        for i, g in enumerate(groups):
+            targets = tuple(tuple((copies[id(m)], a) for m, a in h) for h in holders[i])
+            self._targets.append(targets)
+            hook = functools.partial(self._gather, i, starts[i], targets)
+            for m in model.modules():
+                state = getattr(m, "_ffsdp_state", None)
+                if state is not None and state.group is g:
+                    copies[id(m)].register_forward_pre_hook(hook, prepend=True)
+
+    def _gather(self, i: int, start: int, targets: Any, module: nn.Module, args: Any) -> None:
+        """Group ``i``'s pre-forward in the trace: gather its full parameters from this call's
+        shards (once per call) and set them on the modules that hold them."""
+        del module, args
+        done = self._box["done"]
+        if i in done:
+            return
+        done.add(i)
+        t = self._traces[i]
+        views = self._gathers[i](
+            pack_shards(self._box["locals"][start : start + len(t.names)], t.layout)
+        )
+        for holders, v in zip(targets, views):
+            for m, attr in holders:
+                setattr(m, attr, v)
 
     def forward(self, locals_: list[torch.Tensor], batch: Any) -> Any:
-        """``loss_fn(skeleton, batch)`` with the full parameters gathered from ``locals_``
-        (this rank's unpadded shards, in :attr:`order`)."""
-        full: dict[str, torch.Tensor] = {}
-        k = 0
-        for t, gather in zip(self._traces, self._gathers):
-            views = gather(pack_shards(locals_[k : k + len(t.names)], t.layout))
-            k += len(t.names)
-            full.update(("module." + n, v) for n, v in zip(t.names, views))
-        return torch.func.functional_call(self._caller, full, (batch,), tie_weights=True)
+        """``loss_fn(skeleton, batch)``, each group's full parameters gathered from ``locals_``
+        (this rank's unpadded shards, in :attr:`order`) when its module's forward begins."""
+        self._box["locals"] = locals_
+        self._box["done"] = set()
+        out = self._caller(batch)
+        # Leave nothing behind: an attribute or entry still set when the trace ends would make
+        # its tensor a graph output (kept alive) and change the next call's guards.
+        for targets in self._targets:
+            for holders in targets:
+                for m, attr in holders:
+                    if attr in m.__dict__:
+                        delattr(m, attr)
+        self._box.clear()
+        return out
