@@ -53,13 +53,13 @@ def pack_shards(locals_: Sequence[torch.Tensor], layout: GroupLayout) -> torch.T
     return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
 
 
-def full_params(output: torch.Tensor, layout: GroupLayout) -> tuple[torch.Tensor, ...]:
-    """The full parameters, unpadded, from the rank-major all-gather output of
-    :func:`pack_shards` inputs (``world_size * layout.gather.total`` elements): for each
-    parameter, every rank's rows side by side, reshaped to the padded full shape and cut to the
+def full_params(rows: torch.Tensor, layout: GroupLayout) -> tuple[torch.Tensor, ...]:
+    """The full parameters, unpadded, from every rank's :func:`pack_shards` input as gathered:
+    ``rows`` is ``(world_size, layout.gather.total)``, rank ``r``'s packed shards in row ``r``
+    (the all-gather output viewed so, or a column block of a bucket's). For each parameter,
+    every rank's rows side by side, reshaped to the padded full shape and cut to the
     parameter's rows. Differentiable (views and one ``reshape`` copy per parameter)."""
-    ws, pack = layout.world_size, layout.gather
-    rows = output.view(ws, pack.total)
+    pack = layout.gather
     out = []
     for i, spec in enumerate(layout.specs):
         piece = rows.narrow(1, pack.offsets[i], pack.sizes[i])

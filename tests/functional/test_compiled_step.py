@@ -129,10 +129,11 @@ def test_compiled_step_is_bit_identical_to_the_eager_step_and_resumes_from_its_c
         assert r["reference"] < 1e-5 and r["reference_losses"] < 1e-5
         rep = r["report"]
         assert rep.graphs == 1 and rep.recompiles == 0  # 6 steps from 2 states, one graph
-        # 3 groups: every all-gather and reduce-scatter is a graph node; the blocks
-        # (reshard_after_forward) are gathered again in the backward graph, the root is not.
-        assert rep.forward_collectives == {"all_gather_into_tensor": 3}
-        assert rep.backward_collectives == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 3}
+        # 3 groups, 2 buckets (the two blocks travel together; the root, kept after forward,
+        # alone): every all-gather and reduce-scatter is a graph node, the blocks' bucket is
+        # gathered again in the backward graph, the root's is not.
+        assert rep.forward_collectives == {"all_gather_into_tensor": 2}
+        assert rep.backward_collectives == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 2}
 
 
 def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -205,20 +206,21 @@ def test_compiled_step_runs_hsdp_in_bf16_with_accumulation_as_the_eager_step(wor
         rep = r["report"]
         assert rep.graphs == 1 and rep.recompiles == 0  # 6 micro-batches, one graph
         # The replicas' all-reduce is in the backward graph; with reshard_after_forward=False
-        # (and the root's default) no group is gathered again.
-        assert rep.backward_collectives == {"reduce_scatter_tensor": 3, "all_reduce": 3}
-        assert rep.forward_collectives == {"all_gather_into_tensor": 3}
+        # (and the root's default) no group is gathered again, so all 3 share one bucket.
+        assert rep.backward_collectives == {"reduce_scatter_tensor": 1, "all_reduce": 1}
+        assert rep.forward_collectives == {"all_gather_into_tensor": 1}
 
 
 def _case_module_api() -> dict[str, Any]:
     """fully_shard + torch.optim.AdamW: loss.backward() through the hooks against
-    compile_backward, 3 steps each."""
+    compile_backward, 3 steps each, one collective per group (bucket_bytes 0)."""
     _fresh_dynamo()
     from functional_fsdp.functional import compile_backward
 
     out = {}
     for mode in (False, "aot_eager"):
         model = _small()
+        model.set_bucket_bytes(0)  # type: ignore[operator]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         backward = compile_backward(model, _loss, compile=mode) if mode else None
         losses = []
@@ -246,7 +248,10 @@ def test_compile_backward_trains_a_fully_shard_module_with_a_torch_optimizer(wor
     for r in world.run(_case_module_api):
         assert r["params"] == 0.0 and r["losses"]
         assert r["report"].graphs == 1
-        assert r["report"].backward_collectives["reduce_scatter_tensor"] == 3
+        assert r["report"].backward_collectives == {
+            "all_gather_into_tensor": 2,
+            "reduce_scatter_tensor": 3,
+        }
 
 
 def _case_refusals() -> list[str]:

@@ -45,11 +45,13 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from ...core.coalesce import plan_buckets
 from ...core.errors import UnsupportedError
 from ...core.layout import DivideFactors, divide_factors
 from ...core.records import GroupLayout
 from ...core.traced import full_params, pack_shards, traceable_reason
 from ..recovery.copies import model_groups
+from .buckets import DEFAULT_BUCKET_BYTES
 from .state import _cast_floats
 
 __all__ = ["TracedModel"]
@@ -83,54 +85,116 @@ class _GroupTrace:
     factors: DivideFactors
     recompute: bool
 
-    def gather_fn(self) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
-        """The group's full parameters from this rank's packed shards: the all-gather (an
-        autograd function whose backward is the reduce-scatter) and the unpacking views; with
-        ``recompute``, the whole region is recomputed in backward rather than kept."""
-        lay, shard, replicate, df = self.layout, self.shard, self.replicate, self.factors
-        gather_dtype = lay.gather_buffer_dtype
-        reduce_dtype = lay.reduce_dtype or gather_dtype
-        storage_dtype = lay.storage_dtype
-        rs_size, ar_size = lay.world_size, _size(replicate)
+    def signature(self) -> tuple[Any, ...]:
+        """What groups must share to travel in one collective: the process groups, the dtypes,
+        the divide factors and whether the backward gathers again."""
+        lay = self.layout
+        return (
+            _group_key(self.shard),
+            _group_key(self.replicate),
+            lay.world_size,
+            lay.storage_dtype,
+            lay.gather_buffer_dtype,
+            lay.reduce_dtype,
+            self.factors,
+            self.recompute,
+        )
 
-        class _Gather(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx: Any, flat: torch.Tensor) -> torch.Tensor:
-                return funcol.wait_tensor(_all_gather(flat.to(gather_dtype), 0, shard))
 
-            @staticmethod
-            def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-                g = grad.to(reduce_dtype)
-                if df.premul is not None:
-                    g = g * df.premul
-                if df.pre is not None:
-                    g = g / df.pre
-                g = funcol.wait_tensor(_reduce_scatter(g.contiguous(), "sum", 0, shard))
-                if df.op == "avg":
-                    g = g / rs_size
-                if replicate is not None:
-                    g = funcol.wait_tensor(funcol.all_reduce(g, "sum", replicate))
-                    if df.all_reduce_op == "avg":
-                        g = g / ar_size
-                if df.post is not None:
-                    g = g / df.post
-                return g.to(storage_dtype)
+def _group_key(group: Any) -> Any:
+    """The process group a ``(mesh, dim)`` names (meshes built per ``fully_shard`` call are
+    distinct objects over one group)."""
+    return None if group is None else group[0].get_group(group[1]).group_name
 
-        def gathered(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return full_params(_Gather.apply(flat), lay)
 
-        if not self.recompute:
-            return gathered
+def _bucket_gather(
+    members: list[_GroupTrace],
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """``fn(*flats) -> full parameters`` of a bucket of groups sharing a :meth:`signature`: one
+    all-gather of their packed shards side by side (an autograd function whose backward is one
+    reduce-scatter, in the reduce dtype, divided as FSDP2 divides, then HSDP's all-reduce) and
+    each member's unpacking views, every member's parameters in one flat tuple. With
+    ``recompute``, the whole region is recomputed in backward rather than kept."""
+    first = members[0]
+    lay, shard, replicate, df = first.layout, first.shard, first.replicate, first.factors
+    gather_dtype = lay.gather_buffer_dtype
+    reduce_dtype = lay.reduce_dtype or gather_dtype
+    storage_dtype = lay.storage_dtype
+    ws, ar_size = lay.world_size, _size(replicate)
+    totals = [m.layout.gather.total for m in members]
 
-        def regathered(flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-            return checkpoint(
-                gathered,
-                flat,
-                use_reentrant=False,
-                context_fn=functools.partial(create_selective_checkpoint_contexts, _must_recompute),
-            )
+    class _Gather(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, flat: torch.Tensor) -> torch.Tensor:
+            return funcol.wait_tensor(_all_gather(flat.to(gather_dtype), 0, shard))
 
-        return regathered
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            g = grad.to(reduce_dtype)
+            if df.premul is not None:
+                g = g * df.premul
+            if df.pre is not None:
+                g = g / df.pre
+            g = funcol.wait_tensor(_reduce_scatter(g.contiguous(), "sum", 0, shard))
+            if df.op == "avg":
+                g = g / ws
+            if replicate is not None:
+                g = funcol.wait_tensor(funcol.all_reduce(g, "sum", replicate))
+                if df.all_reduce_op == "avg":
+                    g = g / ar_size
+            if df.post is not None:
+                g = g / df.post
+            return g.to(storage_dtype)
+
+    def gathered(*flats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        flat = torch.cat(flats) if len(flats) > 1 else flats[0]
+        rows = _Gather.apply(flat).view(ws, sum(totals))
+        out: list[torch.Tensor] = []
+        start = 0
+        for m, total in zip(members, totals):
+            out.extend(full_params(rows.narrow(1, start, total), m.layout))
+            start += total
+        return tuple(out)
+
+    if not first.recompute:
+        return gathered
+
+    def regathered(*flats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return checkpoint(
+            gathered,
+            *flats,
+            use_reentrant=False,
+            context_fn=functools.partial(create_selective_checkpoint_contexts, _must_recompute),
+        )
+
+    return regathered
+
+
+def _buckets(traces: list[_GroupTrace], bucket_bytes: int | None) -> list[list[int]]:
+    """Adjacent groups of one signature cut by the core's :func:`plan_buckets` (the eager
+    path's rule), as lists of group indices."""
+    size = DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    out: list[list[int]] = []
+    run: list[int] = []
+
+    def close() -> None:
+        if run:
+            nbytes = [
+                traces[i].layout.gather.total
+                * traces[i].layout.world_size
+                * traces[i].layout.gather_buffer_dtype.itemsize
+                for i in run
+            ]
+            cut = plan_buckets([str(i) for i in run], nbytes, [True] * len(run), size)
+            out.extend([int(n) for n in bucket.groups] for bucket in cut)
+            run.clear()
+
+    for i, t in enumerate(traces):
+        if run and traces[run[-1]].signature() != t.signature():
+            close()
+        run.append(i)
+    close()
+    return out
 
 
 def _must_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -300,45 +364,67 @@ class TracedModel:
 
     Attributes:
         order: the parameters' names (``named_parameters``) in :meth:`forward`'s input order.
+        buckets: the groups (indices in ``model_groups`` order) that share one all-gather and
+            one reduce-scatter: adjacent groups of one :meth:`_GroupTrace.signature`, up to the
+            root's ``bucket_bytes`` of unsharded parameters (``set_bucket_bytes``; 0: one
+            collective per group), as the eager path's buckets.
     """
 
     def __init__(self, model: nn.Module, loss_fn: Any) -> None:
-        self._traces = _group_traces(model)
-        self._gathers = [t.gather_fn() for t in self._traces]
-        self.order = [n for t in self._traces for n in t.names]
+        traces = _group_traces(model)
+        self.order = [n for t in traces for n in t.names]
         groups = [g for g, _ in model_groups(model)]
         holders = [g.holders for g in groups]
         gathered = {id(getattr(m, a)) for hs in holders for h in hs for m, a in h}
         skeleton, copies = _skeleton(model, gathered)
         self._caller = _LossOf(skeleton, loss_fn)
-        # Filled by forward(): this call's local shards, and which groups it has gathered.
+        # Filled by forward(): this call's local shards, and which buckets it has gathered.
         self._box: dict[str, Any] = {}
         starts = [0]
-        for t in self._traces:
+        for t in traces:
             starts.append(starts[-1] + len(t.names))
-        self._targets: list[Any] = []
-        for i, g in enumerate(groups):
-            targets = tuple(tuple((copies[id(m)], a) for m, a in h) for h in holders[i])
-            self._targets.append(targets)
-            hook = functools.partial(self._gather, i, starts[i], targets)
-            for m in model.modules():
-                state = getattr(m, "_ffsdp_state", None)
-                if state is not None and state.group is g:
-                    copies[id(m)].register_forward_pre_hook(hook, prepend=True)
+        # Each group's parameters' holders in the skeleton, in layout order.
+        self._targets = [
+            tuple(tuple((copies[id(m)], a) for m, a in h) for h in holders[i])
+            for i in range(len(groups))
+        ]
+        self.buckets = _buckets(
+            traces, getattr(getattr(model, "_ffsdp_state", None), "bucket_bytes", None)
+        )
+        for b, members in enumerate(self.buckets):
+            hook = functools.partial(
+                self._gather,
+                b,
+                _bucket_gather([traces[i] for i in members]),
+                [(starts[i], traces[i].layout) for i in members],
+                [t for i in members for t in self._targets[i]],
+            )
+            for i in members:
+                for m in model.modules():
+                    state = getattr(m, "_ffsdp_state", None)
+                    if state is not None and state.group is groups[i]:
+                        copies[id(m)].register_forward_pre_hook(hook, prepend=True)
 
-    def _gather(self, i: int, start: int, targets: Any, module: nn.Module, args: Any) -> None:
-        """Group ``i``'s pre-forward in the trace: gather its full parameters from this call's
-        shards (once per call) and set them on the modules that hold them."""
+    def _gather(
+        self,
+        b: int,
+        gather: Callable[..., tuple[torch.Tensor, ...]],
+        shards: list[tuple[int, GroupLayout]],
+        targets: list[Any],
+        module: nn.Module,
+        args: Any,
+    ) -> None:
+        """Bucket ``b``'s pre-forward in the trace (the first of its groups' modules to run):
+        gather its groups' full parameters from this call's shards, once per call, and set
+        them on the modules that hold them."""
         del module, args
         done = self._box["done"]
-        if i in done:
+        if b in done:
             return
-        done.add(i)
-        t = self._traces[i]
-        views = self._gathers[i](
-            pack_shards(self._box["locals"][start : start + len(t.names)], t.layout)
-        )
-        for holders, v in zip(targets, views):
+        done.add(b)
+        locals_ = self._box["locals"]
+        flats = [pack_shards(locals_[start : start + len(lay)], lay) for start, lay in shards]
+        for holders, v in zip(targets, gather(*flats)):
             for m, attr in holders:
                 setattr(m, attr, v)
 
