@@ -34,6 +34,8 @@ step with ``compile=BACKEND``, every group's all-gather and reduce-scatter insid
 graphs (docs/compiled_step.md); its compile time (the first step's extra time) is printed.
 ``fsdp2c``: FSDP2 with each block's forward compiled by inductor (its hooks stay eager), as
 torchtitan compiles per block; the warmup absorbs the compilation.
+``FFSDP_BENCH_MALLOC=default`` leaves glibc's malloc thresholds as they are for every variant
+(RSS then also counts freed memory glibc keeps; fresh buffers fault less).
 ``FFSDP_HOST_POOL_BYTES=N`` in the environment sizes ours' host buffer pool for every variant of
 the run (0: off; ``set_host_buffer_pool_bytes``). DDP runs its loss through its own forward, and
 the run fails unless its ranks end with equal parameters (proof that it all-reduced).
@@ -70,6 +72,8 @@ from functional_fsdp.testing.models import GPT, GPTConfig, GPTLoss, synthetic_ba
 
 
 def _mallopt() -> None:
+    if os.environ.get("FFSDP_BENCH_MALLOC") == "default":  # glibc's own thresholds (see above)
+        return
     with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
 

@@ -23,7 +23,7 @@ import torch
 
 from .records import GroupLayout
 
-__all__ = ["full_params", "pack_shards", "traceable_reason"]
+__all__ = ["full_params", "pack_full_grads", "pack_shards", "traceable_reason"]
 
 
 def traceable_reason(layout: GroupLayout) -> str | None:
@@ -65,3 +65,29 @@ def full_params(rows: torch.Tensor, layout: GroupLayout) -> tuple[torch.Tensor, 
         piece = rows.narrow(1, pack.offsets[i], pack.sizes[i])
         out.append(piece.reshape(layout.padded_full_shape(i)).narrow(0, 0, spec.shape[0]))
     return tuple(out)
+
+
+def pack_full_grads(
+    grads: Sequence[torch.Tensor | None], layout: GroupLayout, dtype: torch.dtype
+) -> torch.Tensor:
+    """The transpose of :func:`full_params`: the full parameters' gradients (``None``: zeros)
+    as ``(world_size, layout.gather.total)`` rows in ``dtype``, rank ``r``'s padded shard rows
+    in row ``r``, ready for a reduce-scatter. One concatenation, where differentiating the views
+    of :func:`full_params` would build a zero buffer of the whole bucket for each parameter."""
+    ws, pack = layout.world_size, layout.gather
+    cols = []
+    for i, spec in enumerate(layout.specs):
+        padded = layout.padded_full_shape(i)
+        g = grads[i]
+        if g is None:
+            cols.append(torch.zeros((ws, pack.sizes[i]), dtype=dtype, device=_device(grads)))
+            continue
+        g = g.to(dtype)
+        if padded[0] > spec.shape[0]:
+            g = torch.cat([g, g.new_zeros((padded[0] - spec.shape[0], *padded[1:]))])
+        cols.append(g.reshape(ws, pack.sizes[i]))
+    return torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]
+
+
+def _device(grads: Sequence[torch.Tensor | None]) -> torch.device:
+    return next((g.device for g in grads if g is not None), torch.device("cpu"))

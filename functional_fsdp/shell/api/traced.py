@@ -49,7 +49,7 @@ from ...core.coalesce import plan_buckets
 from ...core.errors import UnsupportedError
 from ...core.layout import DivideFactors, divide_factors
 from ...core.records import GroupLayout
-from ...core.traced import full_params, pack_shards, traceable_reason
+from ...core.traced import full_params, pack_full_grads, pack_shards, traceable_reason
 from ..recovery.copies import model_groups
 from .buckets import DEFAULT_BUCKET_BYTES
 from .state import _cast_floats
@@ -123,19 +123,37 @@ def _bucket_gather(
     ws, ar_size = lay.world_size, _size(replicate)
     totals = [m.layout.gather.total for m in members]
 
+    layouts = [m.layout for m in members]
+    counts = [len(lay_m) for lay_m in layouts]
+
     class _Gather(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, flat: torch.Tensor) -> torch.Tensor:
-            return funcol.wait_tensor(_all_gather(flat.to(gather_dtype), 0, shard))
+        """Forward: one all-gather of the bucket's packed shards, unpacked into every member's
+        full parameters. Backward: their gradients packed into rank rows at once
+        (``pack_full_grads``), one reduce-scatter (HSDP: then one all-reduce)."""
 
         @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-            g = grad.to(reduce_dtype)
+        def forward(ctx: Any, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            gathered = funcol.wait_tensor(_all_gather(flat.to(gather_dtype), 0, shard))
+            rows = gathered.view(ws, sum(totals))
+            out: list[torch.Tensor] = []
+            start = 0
+            for m_lay, total in zip(layouts, totals):
+                out.extend(full_params(rows.narrow(1, start, total), m_lay))
+                start += total
+            return tuple(out)
+
+        @staticmethod
+        def backward(ctx: Any, *grads: torch.Tensor | None) -> torch.Tensor:
+            parts, k = [], 0
+            for m_lay, n in zip(layouts, counts):
+                parts.append(pack_full_grads(grads[k : k + n], m_lay, reduce_dtype))
+                k += n
+            g = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
             if df.premul is not None:
                 g = g * df.premul
             if df.pre is not None:
                 g = g / df.pre
-            g = funcol.wait_tensor(_reduce_scatter(g.contiguous(), "sum", 0, shard))
+            g = funcol.wait_tensor(_reduce_scatter(g.reshape(-1), "sum", 0, shard))
             if df.op == "avg":
                 g = g / ws
             if replicate is not None:
@@ -147,14 +165,7 @@ def _bucket_gather(
             return g.to(storage_dtype)
 
     def gathered(*flats: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        flat = torch.cat(flats) if len(flats) > 1 else flats[0]
-        rows = _Gather.apply(flat).view(ws, sum(totals))
-        out: list[torch.Tensor] = []
-        start = 0
-        for m, total in zip(members, totals):
-            out.extend(full_params(rows.narrow(1, start, total), m.layout))
-            start += total
-        return tuple(out)
+        return _Gather.apply(torch.cat(flats) if len(flats) > 1 else flats[0])
 
     if not first.recompute:
         return gathered
