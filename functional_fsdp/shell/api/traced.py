@@ -403,8 +403,7 @@ class TracedModel:
             traces, getattr(getattr(model, "_ffsdp_state", None), "bucket_bytes", None)
         )
         for b, members in enumerate(self.buckets):
-            hook = functools.partial(
-                self._gather,
+            hook = self._hook(
                 b,
                 _bucket_gather([traces[i] for i in members]),
                 [(starts[i], traces[i].layout) for i in members],
@@ -414,7 +413,17 @@ class TracedModel:
                 for m in model.modules():
                     state = getattr(m, "_ffsdp_state", None)
                     if state is not None and state.group is groups[i]:
-                        copies[id(m)].register_forward_pre_hook(hook, prepend=True)
+                        copies[id(m)].register_forward_pre_hook(hook)
+
+    def _hook(self, *bound: Any) -> Callable[[nn.Module, Any], None]:
+        """``_gather`` with its bucket's arguments bound, as a plain function. It is appended
+        to the module's hooks, not prepended: torch 2.11's dynamo built guards that read the
+        wrong hook (a cast hook's dtype, a function's ``.args``) after a prepend."""
+
+        def hook(module: nn.Module, args: Any) -> None:
+            self._gather(*bound, module, args)  # type: ignore[call-arg]
+
+        return hook
 
     def _gather(
         self,
