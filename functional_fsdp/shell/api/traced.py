@@ -350,16 +350,6 @@ def _keep_casts(module: nn.Module, policy: Any) -> None:
         module.register_forward_hook(lambda m, args, out: _cast_floats(out, out_dtype))
 
 
-class _LossOf(nn.Module):
-    def __init__(self, module: nn.Module, loss_fn: Any) -> None:
-        super().__init__()
-        self.module = module
-        self.loss_fn = loss_fn
-
-    def forward(self, batch: Any) -> Any:
-        return self.loss_fn(self.module, batch)
-
-
 class TracedModel:
     """``model``'s forward through ``loss_fn`` as one function of this rank's local shards,
     for ``torch.compile`` (see the module docstring).
@@ -388,7 +378,7 @@ class TracedModel:
         holders = [g.holders for g in groups]
         gathered = {id(getattr(m, a)) for hs in holders for h in hs for m, a in h}
         skeleton, copies = _skeleton(model, gathered)
-        self._caller = _LossOf(skeleton, loss_fn)
+        self._skeleton, self._loss_fn = skeleton, loss_fn
         # Filled by forward(): this call's local shards, and which buckets it has gathered.
         self._box: dict[str, Any] = {}
         starts = [0]
@@ -453,7 +443,7 @@ class TracedModel:
         (this rank's unpadded shards, in :attr:`order`) when its module's forward begins."""
         self._box["locals"] = locals_
         self._box["done"] = set()
-        out = self._caller(batch)
+        out = self._loss_fn(self._skeleton, batch)
         # Leave nothing behind: an attribute or entry still set when the trace ends would make
         # its tensor a graph output (kept alive) and change the next call's guards.
         for targets in self._targets:
