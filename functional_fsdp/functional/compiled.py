@@ -105,7 +105,14 @@ class CompiledGrads:
                 keep_inference_input_mutations=True,
             )
         else:
-            inner = torch._dynamo.lookup_backend(self.backend)
+            try:
+                inner = torch._dynamo.lookup_backend(self.backend)
+            except Exception as e:  # torch's InvalidBackend (its module moved between releases)
+                raise ArgumentTypeError(
+                    f"make_train_step: compile={self.backend!r} is not a torch.compile backend; "
+                    f"use True (inductor) or one of {sorted(torch._dynamo.list_backends())} "
+                    "(or 'aot_eager')"
+                ) from e
 
         def counted(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             self._compiles += 1

@@ -263,6 +263,7 @@ def _case_refusals() -> list[str]:
     out = []
     for model, compile, err in [
         (_small(), 3, ArgumentTypeError),
+        (_small(), "no_such_backend", ArgumentTypeError),
         (_small(reproducible=ReproduciblePolicy(2)), "aot_eager", UnsupportedError),
         (
             _small(shard_placement_fn=lambda p: None if p.dim() < 2 else _shard1()),
@@ -285,5 +286,6 @@ def _shard1() -> Any:
 def test_what_the_compiled_step_does_not_trace_is_refused_by_name(world: World) -> None:
     for messages in world.run(_case_refusals):
         assert "compile must be True, False or a torch.compile backend name" in messages[0]
-        assert "ReproduciblePolicy" in messages[1]
-        assert "sharded on a dim other than 0" in messages[2]
+        assert "'no_such_backend' is not a torch.compile backend" in messages[1]
+        assert "ReproduciblePolicy" in messages[2]
+        assert "sharded on a dim other than 0" in messages[3]
