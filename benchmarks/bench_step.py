@@ -109,8 +109,8 @@ def _label(variant: str) -> str:
 def _bucket(variant: str) -> int | None:
     """``ours:B`` / ``repro:B``: the bucket size (``fully_shard(bucket_bytes=B)``; ``4M``,
     ``512K`` or bytes; ``0`` turns coalescing off). ``None``: the default."""
-    _, _, size = variant.partition("@")[0].partition(":")
-    if not size:
+    base, _, size = variant.partition("@")[0].partition(":")
+    if not size or base in ("step", "compiled"):  # compiled:BACKEND names a backend
         return None
     scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1], 1)
     return int(size.rstrip("KM")) * scale
