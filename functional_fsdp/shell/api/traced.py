@@ -5,19 +5,22 @@
 (the same classes and submodules, the package's hooks dropped), whose FSDP modules each have one
 traceable pre-forward hook instead of the eager engine's:
 
-    when a group's module starts its forward (once per call):
-        flat = pack_shards(this call's local shards of the group)   # core/traced.py
-        full = gather(flat)                     # a functional all-gather: a graph node
-        set full_params(full) on the modules that hold them         # views, core/traced.py
+    when the first module of a bucket of groups starts its forward (once per call):
+        flats = [pack_shards(this call's local shards of each group)]   # core/traced.py
+        full = gather(*flats)        # one functional all-gather: a graph node; unpacked
+        set full on the modules that hold the parameters               # full_params views
 
 so the traced forward gathers each group where FSDP2 would, just before its module runs, and
-its full parameters die after their last use. The attributes are removed before the trace ends
+its full parameters die after their last use. A bucket is adjacent groups that may share a
+collective (:meth:`_GroupTrace.signature`), cut by the core's ``plan_buckets`` at the root's
+``bucket_bytes``, as the eager path's buckets are. The attributes are removed before the trace ends
 (a tensor left on a module would become a graph output and change the next call's guards).
 
-``gather`` is an autograd function whose forward casts to the group's gather dtype
-(``param_dtype``) and all-gathers with PyTorch's traceable functional collectives, and whose
-backward casts the gradient to the reduce dtype and reduce-scatters it (HSDP: then all-reduces
-over the replicas), divided as FSDP2 divides (the core's ``divide_factors``). With
+``gather`` is an autograd function whose forward casts to the gather dtype (``param_dtype``),
+all-gathers with PyTorch's traceable functional collectives and returns the full parameters,
+and whose backward packs their gradients into rank rows at once (``pack_full_grads``) in the
+reduce dtype and reduce-scatters them (HSDP: then all-reduces over the replicas), divided as
+FSDP2 divides (the core's ``divide_factors``). With
 ``reshard_after_forward`` (the group's setting; the root's group keeps its parameters by
 default, as FSDP2's lazy init decides) the gather and its unpacking are marked must-recompute
 for AOTAutograd's partitioner, so the backward graph gathers again instead of keeping the full
