@@ -277,19 +277,18 @@ def _worker(
     local_numel = sum(
         (p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters()
     )
-    res = {
-        "variant": variant,
-        "rank": rank,
-        "step_ms": 1e3 * statistics.median(times[args.warmup :]),
-        "mean_ms": 1e3 * statistics.mean(times[args.warmup :]),
-        "peak_rss_mib": _peak_rss_mib(),
-        "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0,
-        "final_loss": losses[-1],
-        "local_param_numel": local_numel,
-        "replicas_equal": _replicas_equal(model) if variant == "ddp" else True,
-        "waits": [w / args.steps for w in waits],
-        "faults": faults / args.steps,
-    }
+    res = _row(
+        variant,
+        rank,
+        times,
+        losses,
+        args,
+        peak_gpu_mib=torch.cuda.max_memory_allocated(device) / 2**20 if cuda else 0.0,
+        local_param_numel=local_numel,
+        replicas_equal=_replicas_equal(model) if variant == "ddp" else True,
+        waits=[w / args.steps for w in waits],
+        faults=faults / args.steps,
+    )
     out.put(res)  # type: ignore[attr-defined]
     if ws > 1:
         dist.destroy_process_group()
@@ -330,20 +329,40 @@ def _functional(
         times.append(time.perf_counter() - t0)
         losses.append(metrics["local_loss"].item())
     report = step.compile_report() if base == "compiled" else None  # type: ignore[attr-defined]
+    return _row(
+        variant,
+        rank,
+        times,
+        losses,
+        args,
+        local_param_numel=sum(p._local_tensor.numel() for p in state.params.values()),
+        faults=(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / args.steps,
+        compile_s=0.0 if report is None else report.compile_seconds,
+        graphs=0 if report is None else report.graphs,
+    )
+
+
+def _row(
+    variant: str,
+    rank: int,
+    times: list[float],
+    losses: list[float],
+    args: argparse.Namespace,
+    **measured: object,
+) -> dict:
+    """One rank's result: the timed steps' median and mean, peak RSS and the last loss, then
+    what the variant measured (defaults: no GPU, replicas not checked, no waits)."""
     return {
         "variant": variant,
         "rank": rank,
         "step_ms": 1e3 * statistics.median(times[args.warmup :]),
         "mean_ms": 1e3 * statistics.mean(times[args.warmup :]),
         "peak_rss_mib": _peak_rss_mib(),
-        "peak_gpu_mib": 0.0,
         "final_loss": losses[-1],
-        "local_param_numel": sum(p._local_tensor.numel() for p in state.params.values()),
+        "peak_gpu_mib": 0.0,
         "replicas_equal": True,
         "waits": [0.0, 0.0],
-        "faults": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0) / args.steps,
-        "compile_s": 0.0 if report is None else report.compile_seconds,
-        "graphs": 0 if report is None else report.graphs,
+        **measured,
     }
 
 

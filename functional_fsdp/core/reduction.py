@@ -40,6 +40,7 @@ __all__ = [
     "finish_reduce",
     "issue_reduce",
     "pack_grads",
+    "reduce_divide_factors",
     "reduce_grad",
     "reduce_input",
     "split_reduced",
@@ -205,6 +206,27 @@ def begin_reduce(
     return issue_reduce(rin, comm, async_op=async_op, alloc=alloc)
 
 
+def reduce_divide_factors(
+    layout: GroupLayout,
+    replicate_size: int,
+    *,
+    divide_factor: float | None = None,
+    force_sum: bool = False,
+) -> L.DivideFactors:
+    """How ``layout``'s gradients are divided around their reduction over its shard group and
+    ``replicate_size`` replicas (FSDP2's rule, :func:`~.layout.divide_factors`): split into a
+    pre- and post-divide when the reduce dtype has a small range. The eager reduction and the
+    compiled step's reduce-scatter both ask here."""
+    rdtype = layout.grad_reduce_dtype()
+    return L.divide_factors(
+        layout.world_size,
+        replicate_size,
+        overflow_risk=rdtype not in (torch.float32, torch.bfloat16, torch.float64),
+        factor=divide_factor,
+        force_sum=force_sum,
+    )
+
+
 def reduce_input(
     grads: Any,
     sharded: ShardedState,
@@ -238,13 +260,7 @@ def reduce_input(
     )
     rdtype = lay.grad_reduce_dtype()
     ar_size = replicate_comm.world_size if replicate_comm is not None else 1
-    factors = L.divide_factors(
-        lay.world_size,
-        ar_size,
-        overflow_risk=rdtype not in (torch.float32, torch.bfloat16, torch.float64),
-        factor=divide_factor,
-        force_sum=force_sum,
-    )
+    factors = reduce_divide_factors(lay, ar_size, divide_factor=divide_factor, force_sum=force_sum)
     # Reduce where the gradients are (the compute device), also when the shards are offloaded
     # to the CPU: the caller moves the reduced shards.
     device = next((g.device for g in glist if g is not None), sharded.flat.device)

@@ -16,7 +16,7 @@ from ..core.errors import StepInputError, UnsupportedError
 from ..core.reproducible import ReproduciblePolicy
 from ..shell import DeferredReductions, TreeReductions
 
-__all__ = ["Accumulated", "accumulate_grads"]
+__all__ = ["Accumulated", "accumulate_grads", "add_micro_grads", "detached"]
 
 
 @attrs.frozen(eq=False)
@@ -131,6 +131,27 @@ def _backward(
     return grads
 
 
+def detached(aux: Any) -> Any:
+    """A micro-batch's aux output with every tensor detached (kept in the metrics)."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), aux)
+
+
+def add_micro_grads(
+    acc: list[torch.Tensor] | None,
+    grads: Sequence[torch.Tensor | None],
+    inputs: Sequence[torch.Tensor],
+) -> list[torch.Tensor]:
+    """``acc`` plus one micro-batch's gradients as local shards (zeros where a parameter got
+    none): ``acc`` summed in place, or the first micro-batch's shards when ``acc`` is ``None``."""
+    locals_ = [
+        _local(g) if g is not None else torch.zeros_like(_local(x)) for g, x in zip(grads, inputs)
+    ]
+    if acc is None:
+        return locals_
+    torch._foreach_add_(acc, locals_)
+    return acc
+
+
 def accumulate_grads(
     model: nn.Module,
     loss_fn: Any,
@@ -162,21 +183,14 @@ def accumulate_grads(
         loss, aux = _loss_and_aux(torch.func.functional_call(caller, feed, (micro,)), has_aux)
         loss_sum = loss_sum + loss.detach().float()
         if has_aux:
-            auxes.append(pytree.tree_map_only(torch.Tensor, lambda t: t.detach(), aux))
+            auxes.append(detached(aux))
         grads = _backward(
             model, loss / grad_accum if grad_accum > 1 else loss, inputs, deferred, tree
         )
         del loss, aux  # drop the graph (and the packed shards its gathers kept) now
         if tree is not None:
             continue  # the gradients are in the tree
-        locals_ = [
-            _local(g) if g is not None else torch.zeros_like(_local(x))
-            for g, x in zip(grads, inputs)
-        ]
-        if acc is None:
-            acc = locals_
-        else:
-            torch._foreach_add_(acc, locals_)
+        acc = add_micro_grads(acc, grads, inputs)
     if tree is not None:
         reduced = tree.finish()
         acc = [reduced.get(id(x), None) for x in inputs]

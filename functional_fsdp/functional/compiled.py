@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from ..core.errors import ArgumentTypeError, UnsupportedError
 from ..shell import TracedModel
-from ._stepping import Accumulated, _loss_and_aux, split_batch
+from ._stepping import Accumulated, _local, _loss_and_aux, add_micro_grads, detached, split_batch
 
 __all__ = ["CompileReport", "CompiledGrads", "compile_backward"]
 
@@ -58,9 +58,16 @@ class CompiledGrads:
     does (sharded, reduced local gradients), from graphs with the collectives inside."""
 
     def __init__(
-        self, model: nn.Module, loss_fn: Any, trainable: Sequence[str], backend: str
+        self,
+        model: nn.Module,
+        loss_fn: Any,
+        trainable: Sequence[str],
+        backend: str,
+        *,
+        where: str = "make_train_step",
     ) -> None:
-        traced = TracedModel(model, loss_fn)
+        self.where = where  # the caller, named in errors
+        traced = TracedModel(model, loss_fn, where=where)
         self.trainable = list(trainable)
         self.backend = backend
         self._order = traced.order
@@ -109,7 +116,7 @@ class CompiledGrads:
                 inner = torch._dynamo.lookup_backend(self.backend)
             except Exception as e:  # torch's InvalidBackend (its module moved between releases)
                 raise ArgumentTypeError(
-                    f"make_train_step: compile={self.backend!r} is not a torch.compile backend; "
+                    f"{self.where}: compile={self.backend!r} is not a torch.compile backend; "
                     f"use True (inductor) or one of {sorted(torch._dynamo.list_backends())} "
                     "(or 'aot_eager')"
                 ) from e
@@ -136,16 +143,12 @@ class CompiledGrads:
             loss, aux = _loss_and_aux(self._call(ordered, micro), has_aux)
             loss_sum = loss_sum + loss.detach().float()
             if has_aux:
-                auxes.append(torch.utils._pytree.tree_map_only(torch.Tensor, torch.detach, aux))
+                auxes.append(detached(aux))
             got = torch.autograd.grad(
                 loss / grad_accum if grad_accum > 1 else loss, inputs, allow_unused=True
             )
             del loss, aux
-            locals_ = [g if g is not None else torch.zeros_like(x) for g, x in zip(got, inputs)]
-            if acc is None:
-                acc = locals_
-            else:
-                torch._foreach_add_(acc, locals_)
+            acc = add_micro_grads(acc, got, inputs)
         assert acc is not None
         seconds = time.perf_counter() - t0
         self._calls += 1
@@ -161,7 +164,7 @@ class CompiledGrads:
         except torch._dynamo.exc.Unsupported as e:  # traced on fake tensors: no collective ran
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UnsupportedError(
-                f"make_train_step(compile=...): the step does not trace as one graph ({first}); "
+                f"{self.where}(compile=...): the step does not trace as one graph ({first}); "
                 "the model or loss_fn calls something torch.compile cannot trace (see the "
                 "chained error for where). Make the step without compile, or change that call"
             ) from e
@@ -189,10 +192,6 @@ def _collectives(gm: Any) -> dict[str, int]:
             if name != "wait_tensor":
                 out[name] = out.get(name, 0) + 1
     return out
-
-
-def _local(t: Any) -> Any:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def compile_backward(
@@ -230,14 +229,14 @@ def compile_backward(
     """
     from .step import _check_arguments, _compiled, _trainable
 
-    _check_arguments(model, None, grad_accum, optimizer_required=False)
+    _check_arguments(model, None, grad_accum, where="compile_backward")
     if compile is False:
         raise ArgumentTypeError(
             "compile_backward: compile=False compiles nothing; without compiling, call "
             "loss_fn(model, batch).backward() (the FSDP hooks reduce the gradients)"
         )
     trainable = _trainable(model)
-    compiled = _compiled(model, loss_fn, trainable, compile, None)
+    compiled = _compiled(model, loss_fn, trainable, compile, None, where="compile_backward")
     own = dict(model.named_parameters())
 
     def backward(batch: Any) -> torch.Tensor:

@@ -448,11 +448,11 @@ def _gradients(
 
 
 def _check_arguments(
-    model: nn.Module, optimizer: Any, grad_accum: Any, *, optimizer_required: bool = True
+    model: nn.Module, optimizer: Any, grad_accum: Any, *, where: str = "make_train_step"
 ) -> None:
-    _check_model(model, "make_train_step")
-    if optimizer_required:
-        check_functional_optimizer(optimizer, "make_train_step")
+    _check_model(model, where)
+    if where == "make_train_step":  # compile_backward steps with a torch optimizer
+        check_functional_optimizer(optimizer, where)
     _check_activation_checkpointing(model)
     if not isinstance(grad_accum, int) or grad_accum < 1:
         raise HyperparameterError(f"grad_accum must be a positive int, got {grad_accum!r}")
@@ -464,22 +464,25 @@ def _compiled(
     trainable: list[str],
     compile: bool | str,
     policy: ReproduciblePolicy | None,
+    where: str = "make_train_step",
 ) -> Any:
-    """The compiled forward and backward (``None``: eager), checked before any collective."""
+    """The compiled forward and backward (``None``: eager), checked before any collective;
+    ``where`` names the caller in errors."""
     if compile is False:
         return None
     if not (compile is True or (isinstance(compile, str) and compile)):
         raise ArgumentTypeError(
-            f"make_train_step: compile must be True, False or a torch.compile backend name, "
-            f"got {compile!r}"
+            f"{where}: compile must be True, False or a torch.compile backend name, got {compile!r}"
         )
     if policy is not None:
         from ..core.errors import UnsupportedError
 
         raise UnsupportedError(
-            "make_train_step(compile=...) does not reduce in a ReproduciblePolicy's canonical "
+            f"{where}(compile=...) does not reduce in a ReproduciblePolicy's canonical "
             "tree yet; make the step without compile for bit-identical runs across world sizes"
         )
     from .compiled import CompiledGrads
 
-    return CompiledGrads(model, loss_fn, trainable, "inductor" if compile is True else compile)
+    return CompiledGrads(
+        model, loss_fn, trainable, "inductor" if compile is True else compile, where=where
+    )

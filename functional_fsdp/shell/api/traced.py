@@ -50,8 +50,9 @@ from torch.utils.checkpoint import (
 
 from ...core.coalesce import plan_buckets
 from ...core.errors import UnsupportedError
-from ...core.layout import DivideFactors, divide_factors
+from ...core.layout import DivideFactors
 from ...core.records import GroupLayout
+from ...core.reduction import reduce_divide_factors
 from ...core.traced import full_params, pack_full_grads, pack_shards, traceable_reason
 from ..recovery.copies import model_groups
 from .buckets import DEFAULT_BUCKET_BYTES
@@ -98,7 +99,7 @@ class _GroupTrace:
             lay.world_size,
             lay.storage_dtype,
             lay.gather_buffer_dtype,
-            lay.reduce_dtype,
+            lay.grad_reduce_dtype(),
             self.factors,
             self.recompute,
         )
@@ -121,7 +122,7 @@ def _bucket_gather(
     first = members[0]
     lay, shard, replicate, df = first.layout, first.shard, first.replicate, first.factors
     gather_dtype = lay.gather_buffer_dtype
-    reduce_dtype = lay.reduce_dtype or gather_dtype
+    reduce_dtype = lay.grad_reduce_dtype()
     storage_dtype = lay.storage_dtype
     ws, ar_size = lay.world_size, _size(replicate)
     totals = [m.layout.gather.total for m in members]
@@ -220,9 +221,9 @@ def _size(group: Any) -> int:
     return 1 if group is None else group[0].size(group[1])
 
 
-def _group_traces(model: nn.Module) -> list[_GroupTrace]:
+def _group_traces(model: nn.Module, where: str) -> list[_GroupTrace]:
     """Every group of ``model`` as a :class:`_GroupTrace`, or a named error for what the trace
-    does not cover (raised before any collective)."""
+    does not cover (raised before any collective; ``where`` names the caller)."""
     names = {id(p): n for n, p in model.named_parameters()}
     root = getattr(model, "_ffsdp_state", None)
     traces = []
@@ -238,16 +239,15 @@ def _group_traces(model: nn.Module) -> list[_GroupTrace]:
             why = "its parameters are offloaded to the CPU (OffloadPolicy)"
         if why is not None:
             raise UnsupportedError(
-                f"make_train_step(compile=...): group {path} cannot be traced: {why}; make the "
+                f"{where}(compile=...): group {path} cannot be traced: {why}; make the "
                 "step without compile (the eager functional step supports it)"
             )
         params = [getattr(m, attr) for m, attr in (h[0] for h in g.holders)]
         hsdp = g.mesh.ndim == 2
-        df = divide_factors(
-            g.layout.world_size,
+        df = reduce_divide_factors(
+            g.layout,
             g.mesh.size(0) if hsdp else 1,
-            overflow_risk=(g.layout.reduce_dtype or g.layout.gather_buffer_dtype) == torch.float16,
-            factor=g.config.divide_factor,
+            divide_factor=g.config.divide_factor,
             force_sum=g.config.force_sum,
         )
         traces.append(
@@ -360,6 +360,7 @@ class TracedModel:
     Args:
         model: the root module sharded with ``fully_shard``.
         loss_fn: ``loss_fn(module, batch)``, called with the skeleton.
+        where: the caller, named in errors.
 
     Raises:
         UnsupportedError: a group the trace does not cover (tensor parallelism, an all-gather
@@ -374,8 +375,8 @@ class TracedModel:
             collective per group), as the eager path's buckets.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Any) -> None:
-        traces = _group_traces(model)
+    def __init__(self, model: nn.Module, loss_fn: Any, *, where: str = "make_train_step") -> None:
+        traces = _group_traces(model, where)
         self.order = [n for t in traces for n in t.names]
         groups = [g for g, _ in model_groups(model)]
         holders = [g.holders for g in groups]
