@@ -488,3 +488,75 @@ def test_a_live_rank_late_to_report_is_waited_for_and_a_still_one_is_not() -> No
     late.join()
     assert [r.rank for r in reports] == [0, 1] and spares == {}
     assert time.monotonic() - t0 < 10  # ended when rank 1 reported, not at wait_s
+
+
+def _release_rank(rank: int, port: int, out: Any) -> None:
+    """Rank 1 enters ``rebuild_on_survivors`` with no collective of its own having failed (as
+    when a send to the lost rank raised as it was posted); rank 0 is in the next forward's
+    all-gather, waiting for rank 1."""
+    from functional_fsdp import keep_neighbour_copies, rebuild_on_survivors
+
+    torch.set_num_threads(1)
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=60)
+        )
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("r/", store), rank=rank, world_size=2
+        )
+        model, opt = _build()
+        copies = keep_neighbour_copies(model, opt)
+        _train_step(model, opt, 0, rank, 2, None)  # every communicator exists on both ranks
+        failed = "nothing"
+        if rank == 0:
+            try:
+                _train_step(model, opt, 1, rank, 2, None)
+            except Exception as e:
+                failed = type(e).__name__
+        try:
+            rebuild_on_survivors(model, opt, copies, store, _build, wait_s=30.0)
+            out.put((rank, True, (failed, "rebuilt")))
+        except Exception as e:
+            out.put((rank, True, (failed, f"{type(e).__name__}: {e}")))
+    except Exception:
+        out.put((rank, False, traceback.format_exc()))
+
+
+def test_a_survivor_entering_recovery_releases_a_peer_blocked_on_it() -> None:
+    """A survivor whose own waits never failed must still wake a peer blocked in a collective
+    with it: dropping its process group does not (the old model keeps the group's sockets
+    open), so that peer waited out ``wait_s`` and was declared lost, alive (the CI failure of
+    ``reproducible-3-0``, where the survivors' failures were the copies' sends to the dead
+    rank). Here rank 0 hears of it at once (``PeerAbortedError``), reports alive too, and both
+    find that nobody was lost."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    master = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        None,
+        True,
+        timeout=datetime.timedelta(seconds=60),
+        wait_for_workers=False,
+    )
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_release_rank, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    try:
+        while len(results) < 2:
+            rank, ok, value = out.get(timeout=120)
+            assert ok, f"rank {rank}:\n{value}"
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        del master
+    assert results[0][0] == "PeerAbortedError", results
+    for _, rebuilt in results.values():
+        assert "every rank reported alive" in rebuilt, results

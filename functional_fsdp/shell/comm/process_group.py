@@ -781,9 +781,10 @@ def abort_posted() -> str | None:
     return None
 
 
-def post_abort_everywhere(message: str) -> None:
-    """Tell the peers of every live communicator that this rank gave up (``message``: why);
-    their waits raise within 0.1 s."""
+def post_abort_everywhere(message: str | None = None) -> None:
+    """Tell the peers of every live communicator that this rank gave up; their waits raise
+    within 0.1 s: :class:`CollectiveMismatchError` with ``message`` when one is given (why the
+    ranks diverged), else :class:`PeerAbortedError` naming this rank."""
     for comm in list(LIVE):
         if comm._world_size > 1:
             comm._tell_peers_failed(message)

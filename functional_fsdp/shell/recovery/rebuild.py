@@ -2,13 +2,16 @@
 
 :func:`rebuild_on_survivors` is what a training loop calls when a step failed because a rank
 died (on gloo the survivors' waits fail within milliseconds: the peer's sockets close; a
-survivor blocked on another survivor is woken when that one drops the old group). Whatever
+survivor blocked on another survivor is woken when that one enters this function). Whatever
 point of the step the rank was lost at (forward, backward, a reduce-scatter, the optimizer
 step, the copies' exchange, between steps):
 
-1. the step in flight is abandoned on the old model (each group's ``reset_iter_state``, local:
-   no collective) and the old default process group is dropped (this wakes any survivor still
-   blocked on this one);
+1. every peer still blocked in a collective with this rank is told through the store that
+   this rank gave up (its wait raises :class:`~functional_fsdp.core.errors.PeerAbortedError`
+   within 0.1 s, and it calls this function too); the step in flight is abandoned on the old
+   model (each group's ``reset_iter_state``, local: no collective) and the old default process
+   group is dropped (its sockets close only once the old model is gone: that alone wakes
+   nobody);
 2. the survivors agree through the launcher's store on who is alive (each posts what it can
    restore: :class:`~functional_fsdp.core.recovery.Restorable`; the first to decide writes the
    list with ``compare_set``, so every survivor reads one answer), and on the step to restart
@@ -61,7 +64,7 @@ from ...core.recovery import (
     restart_step,
 )
 from ...core.reproducible import ReproduciblePolicy
-from ..comm.process_group import ProcessGroupComm
+from ..comm.process_group import ProcessGroupComm, post_abort_everywhere
 from ..engine.dtensors import shard_like
 from .copies import HeldCopy, NeighbourCopies, _local, keep_neighbour_copies, model_groups
 
@@ -245,10 +248,17 @@ def rebuild_on_survivors(
     # Report alive first: the teardown below can take a while on a loaded machine, and a
     # survivor that reports late is declared lost.
     _report_alive(store, epoch, report)
+    # Release every peer blocked in a collective with this rank (PeerAbortedError within
+    # 0.1 s: it then calls this function too). Dropping the process group below does not:
+    # the old model still references it, so its sockets stay open, and a peer whose collective
+    # does not involve the lost rank would wait until wait_s ran out and be declared lost.
+    # This rank's own failure may not have told them (a send to the lost rank that raised as
+    # it was posted, or an exception outside any wait).
+    post_abort_everywhere()
     for g, _ in model_groups(model):  # abandon the step in flight, locally (no collective)
         g.reset_iter_state()
     if dist.is_initialized():
-        dist.destroy_process_group()  # closes our sockets: survivors blocked on us fail now
+        dist.destroy_process_group()
     reports, spares = _agree(store, epoch, report, copies, wait_s)
     alive = tuple(r.rank for r in reports)
     lost = tuple(r for r in range(ws) if r not in alive)
