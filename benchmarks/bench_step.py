@@ -32,6 +32,8 @@ on the last only (DDP: ``no_sync``), as FSDP2's accumulation recipe does.
 model; ``compiled`` (``compiled:BACKEND``, default ``aot_eager``; ``compiled:inductor``): the same
 step with ``compile=BACKEND``, every group's all-gather and reduce-scatter inside the traced
 graphs (docs/compiled_step.md); its compile time (the first step's extra time) is printed.
+``compiled-serial[:BACKEND]``: the same with ``compile_overlap=False`` (each collective waited
+for where traced, none issued ahead).
 ``fsdp2c``: FSDP2 with each block's forward compiled by inductor (its hooks stay eager), as
 torchtitan compiles per block; the warmup absorbs the compilation.
 ``FFSDP_BENCH_MALLOC=default`` leaves glibc's malloc thresholds as they are for every variant
@@ -69,6 +71,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from functional_fsdp.core.coalesce import plan_buckets
 from functional_fsdp.shell.api.buckets import DEFAULT_BUCKET_BYTES
 from functional_fsdp.testing.models import GPT, GPTConfig, GPTLoss, synthetic_batch
+
+_COMPILED = ("compiled", "compiled-serial")
 
 
 def _mallopt() -> None:
@@ -110,7 +114,7 @@ def _bucket(variant: str) -> int | None:
     """``ours:B`` / ``repro:B``: the bucket size (``fully_shard(bucket_bytes=B)``; ``4M``,
     ``512K`` or bytes; ``0`` turns coalescing off). ``None``: the default."""
     base, _, size = variant.partition("@")[0].partition(":")
-    if not size or base in ("step", "compiled"):  # compiled:BACKEND names a backend
+    if not size or base in ("step", *_COMPILED):  # compiled:BACKEND names a backend
         return None
     scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1], 1)
     return int(size.rstrip("KM")) * scale
@@ -127,7 +131,7 @@ def _build(
     variant = _use_tree(variant).partition(":")[0]
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
-    if variant in ("ours", "fsdp2", "fsdp2c", "repro", "copies", "step", "compiled"):
+    if variant in ("ours", "fsdp2", "fsdp2c", "repro", "copies", "step", *_COMPILED):
         kw: dict = {}
         if variant in ("fsdp2", "fsdp2c"):
             from torch.distributed.fsdp import fully_shard
@@ -224,7 +228,7 @@ def _worker(
     cfg = MODELS[args.model][0]
     model = _build(variant, cfg, None, args.micro_batches, device)
     base = variant.partition("@")[0].partition(":")[0]
-    if base in ("step", "compiled"):
+    if base in ("step", *_COMPILED):
         out.put(_functional(model, variant, args, cfg, rank, device))  # type: ignore[attr-defined]
         if ws > 1:
             dist.destroy_process_group()
@@ -313,7 +317,8 @@ def _functional(
         lambda m, b: m.loss(*b),
         opt,
         grad_accum=args.micro_batches,
-        compile=(backend or "aot_eager") if base == "compiled" else False,
+        compile=(backend or "aot_eager") if base in _COMPILED else False,
+        compile_overlap=base != "compiled-serial",
     )
     state = init(model, opt)
     times, losses = [], []
@@ -328,7 +333,7 @@ def _functional(
         state, metrics = step(state, (x, y))
         times.append(time.perf_counter() - t0)
         losses.append(metrics["local_loss"].item())
-    report = step.compile_report() if base == "compiled" else None  # type: ignore[attr-defined]
+    report = step.compile_report() if base in _COMPILED else None  # type: ignore[attr-defined]
     return _row(
         variant,
         rank,

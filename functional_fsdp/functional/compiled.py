@@ -23,6 +23,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from ..core.errors import ArgumentTypeError, UnsupportedError
+from ..core.overlap import GraphNode, NodeKind, overlap_order
 from ..shell import TracedModel
 from ._stepping import Accumulated, _local, _loss_and_aux, add_micro_grads, detached, split_batch
 
@@ -42,6 +43,10 @@ class CompileReport:
         forward_collectives: collective nodes in the forward graph, by op (aot backends only:
             ``{}`` for inductor, whose graphs are not handed to us).
         backward_collectives: the same for the backward graph.
+        overlap: whether the graphs were reordered so that each collective is issued early and
+            waited for late (``compile_overlap``; :mod:`functional_fsdp.core.overlap`).
+        moved_nodes: for each graph compiled (forward, then backward), how many of its nodes
+            the reordering moved (empty without ``overlap``).
     """
 
     backend: str
@@ -50,6 +55,8 @@ class CompileReport:
     recompiles: int
     forward_collectives: dict[str, int]
     backward_collectives: dict[str, int]
+    overlap: bool = False
+    moved_nodes: tuple[int, ...] = ()
 
 
 class CompiledGrads:
@@ -64,9 +71,12 @@ class CompiledGrads:
         trainable: Sequence[str],
         backend: str,
         *,
+        overlap: bool = True,
         where: str = "make_train_step",
     ) -> None:
         self.where = where  # the caller, named in errors
+        self.overlap = overlap
+        self._moved: list[int] = []
         traced = TracedModel(model, loss_fn, where=where)
         self.trainable = list(trainable)
         self.backend = backend
@@ -100,6 +110,9 @@ class CompiledGrads:
             def keep(kind: str) -> Any:
                 def compiler(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
                     del example_inputs
+                    if self.overlap:
+                        self._moved.append(reorder_for_overlap(gm.graph))
+                        gm.recompile()
                     graphs[kind] = gm
                     return make_boxed_func(gm.forward)
 
@@ -111,6 +124,16 @@ class CompiledGrads:
                 partition_fn=min_cut_rematerialization_partition,
                 keep_inference_input_mutations=True,
             )
+        elif self.backend == "inductor" and self.overlap:
+            from torch._inductor.compile_fx import compile_fx
+
+            overlap_pass = _overlap_pass(self._moved)
+
+            def inner(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+                return compile_fx(
+                    gm, example_inputs, config_patches={"post_grad_custom_post_pass": overlap_pass}
+                )
+
         else:
             try:
                 inner = torch._dynamo.lookup_backend(self.backend)
@@ -179,6 +202,8 @@ class CompiledGrads:
             max(0, self._compiles - 1),
             _collectives(self._graphs.get("forward")),
             _collectives(self._graphs.get("backward")),
+            self.overlap,
+            tuple(self._moved),
         )
 
 
@@ -194,12 +219,79 @@ def _collectives(gm: Any) -> dict[str, int]:
     return out
 
 
+_C10D = "_c10d_functional."
+_KINDS: dict[str, NodeKind] = {
+    "all_gather_into_tensor": "gather",
+    "reduce_scatter_tensor": "reduce",
+    "all_reduce": "reduce",
+    "wait_tensor": "wait",
+}
+
+
+def _kind(node: torch.fx.Node) -> NodeKind | None:
+    """The scheduler's kind of ``node``; ``None`` for a node it must not move (an in-place
+    op: reordering it could change what its readers see; a collective it does not know)."""
+    if node.op in ("placeholder", "get_attr"):
+        return "input"
+    if node.op == "output":
+        return "output"
+    target = str(node.target)
+    if _C10D in target:
+        return _KINDS.get(target.split(_C10D, 1)[1].split(".")[0])
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or (schema is not None and schema.is_mutable):
+        return None
+    return "compute"
+
+
+def reorder_for_overlap(graph: torch.fx.Graph, depth: int = 1) -> int:
+    """Reorder ``graph`` in place (its nodes are moved, none added) as
+    :func:`~functional_fsdp.core.overlap.overlap_order` says: each collective issued early,
+    waited for late, at most ``depth`` of a kind in flight. A graph with a node the scheduler
+    must not move (an in-place op, an unknown collective) is left as it is. Returns how many
+    nodes changed place."""
+    nodes = list(graph.nodes)
+    kinds = [_kind(n) for n in nodes]
+    if any(k is None for k in kinds):
+        return 0
+    index = {n: i for i, n in enumerate(nodes)}
+    desc = [
+        GraphNode(k, tuple(index[a] for a in n.all_input_nodes))  # type: ignore[arg-type]
+        for n, k in zip(nodes, kinds)
+    ]
+    order = overlap_order(desc, depth=depth)
+    moved = sum(1 for pos, i in enumerate(order) if pos != i)
+    if moved:
+        prev = nodes[order[0]]
+        for i in order[1:]:
+            prev.append(nodes[i])
+            prev = nodes[i]
+        graph.lint()
+    return moved
+
+
+def _overlap_pass(moved: list[int]) -> Any:
+    """:func:`reorder_for_overlap` as inductor's post-grad pass (on inductor's own graphs),
+    appending to ``moved`` what it moved in each."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class OverlapPass(CustomGraphPass):
+        def __call__(self, graph: torch.fx.Graph) -> None:
+            moved.append(reorder_for_overlap(graph))
+
+        def uuid(self) -> Any:
+            return "functional_fsdp.reorder_for_overlap/1"
+
+    return OverlapPass()
+
+
 def compile_backward(
     model: nn.Module,
     loss_fn: Any,
     *,
     compile: bool | str = True,
     grad_accum: int = 1,
+    compile_overlap: bool = True,
 ) -> Callable[[Any], torch.Tensor]:
     """The compiled step for the module API: ``backward(batch) -> loss`` runs ``loss_fn`` and its
     backward as graphs with every group's all-gather and reduce-scatter inside (see
@@ -218,6 +310,8 @@ def compile_backward(
         loss_fn: ``loss_fn(module, batch) -> scalar``.
         compile: ``True`` (inductor) or a ``torch.compile`` backend's name.
         grad_accum: micro-batches per call (``batch`` split on dim 0), each loss divided by it.
+        compile_overlap: reorder the graphs so that collectives overlap compute (as
+            ``make_train_step``'s).
 
     Returns:
         ``backward(batch)``: the mean loss over the micro-batches (detached). The compile report
@@ -236,7 +330,9 @@ def compile_backward(
             "loss_fn(model, batch).backward() (the FSDP hooks reduce the gradients)"
         )
     trainable = _trainable(model)
-    compiled = _compiled(model, loss_fn, trainable, compile, None, where="compile_backward")
+    compiled = _compiled(
+        model, loss_fn, trainable, compile, None, where="compile_backward", overlap=compile_overlap
+    )
     own = dict(model.named_parameters())
 
     def backward(batch: Any) -> torch.Tensor:

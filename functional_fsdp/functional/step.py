@@ -360,6 +360,7 @@ def make_train_step(
     donate: bool = False,
     reproducible: ReproduciblePolicy | None = None,
     compile: bool | str = False,
+    compile_overlap: bool = True,
 ) -> TrainStep:
     """Build ``step(state, batch) -> (state, metrics)`` for a module sharded with ``fully_shard``.
 
@@ -392,8 +393,9 @@ def make_train_step(
             on every world size dividing ``V``; ``grad_accum`` must be ``V / N``
             (``docs/reproducibility.md``).
         compile: ``True`` (inductor) or a ``torch.compile`` backend's name (``"aot_eager"``):
-            forward and backward traced whole, collectives in the graphs; ``step.compile_report()``
-            (``docs/compiled_step.md``). Raises ``UnsupportedError`` for what it cannot trace.
+            forward and backward traced whole, collectives in the graphs (docs/compiled_step.md).
+        compile_overlap: each all-gather issued a bucket ahead, each wait where its result is
+            needed (:mod:`functional_fsdp.core.overlap`); ``False``: the traced order.
 
     Returns:
         The step function. ``metrics``: ``"loss"`` (the mean loss over the micro-batches and
@@ -408,7 +410,8 @@ def make_train_step(
     policy = _reproducible(model, reproducible, grad_accum, own)
     norms = StepNorms([own[n] for n in trainable], trainable, canonical=policy is not None)
     del own
-    grads_of, report = _gradients(model, loss_fn, trainable, grad_accum, has_aux, policy, compile)
+    how = (compile, compile_overlap)
+    grads_of, report = _gradients(model, loss_fn, trainable, grad_accum, has_aux, policy, *how)
 
     def step(state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
         _check_state(state, names)
@@ -436,10 +439,11 @@ def _gradients(
     has_aux: bool,
     policy: ReproduciblePolicy | None,
     compile: bool | str,
+    overlap: bool = True,
 ) -> tuple[Callable[[dict[str, Any], Any], Accumulated], Any]:
     """``grads_of(params, batch)``, eager or compiled, and the compiled one's report (or
     ``None``)."""
-    compiled = _compiled(model, loss_fn, trainable, compile, policy)
+    compiled = _compiled(model, loss_fn, trainable, compile, policy, overlap=overlap)
     if compiled is not None:
         return (lambda p, b: compiled.grads(p, b, grad_accum, has_aux)), compiled.report
     return (
@@ -465,6 +469,8 @@ def _compiled(
     compile: bool | str,
     policy: ReproduciblePolicy | None,
     where: str = "make_train_step",
+    *,
+    overlap: bool = True,
 ) -> Any:
     """The compiled forward and backward (``None``: eager), checked before any collective;
     ``where`` names the caller in errors."""
@@ -483,6 +489,7 @@ def _compiled(
         )
     from .compiled import CompiledGrads
 
-    return CompiledGrads(
-        model, loss_fn, trainable, "inductor" if compile is True else compile, where=where
-    )
+    if not isinstance(overlap, bool):
+        raise ArgumentTypeError(f"{where}: compile_overlap must be True or False, got {overlap!r}")
+    backend = "inductor" if compile is True else compile
+    return CompiledGrads(model, loss_fn, trainable, backend, overlap=overlap, where=where)

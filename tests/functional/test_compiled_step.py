@@ -134,6 +134,8 @@ def test_compiled_step_is_bit_identical_to_the_eager_step_and_resumes_from_its_c
         # gathered again in the backward graph, the root's is not.
         assert rep.forward_collectives == {"all_gather_into_tensor": 2}
         assert rep.backward_collectives == {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 2}
+        # Reordered for overlap (the default), and still bit-identical to the eager step.
+        assert rep.overlap and len(rep.moved_nodes) == 2 and min(rep.moved_nodes) > 0
 
 
 def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -185,7 +187,9 @@ def _case_bf16_hsdp() -> dict[str, Any]:
     for mode in (False, "aot_eager"):
         model = build()
         opt = _functional_opt("adamw")
-        step = make_train_step(model, loss_aux, opt, compile=mode, grad_accum=2, has_aux=True)
+        step = make_train_step(
+            model, loss_aux, opt, compile=mode, grad_accum=2, has_aux=True, compile_overlap=False
+        )
         state = init(model, opt)
         for s in range(3):
             state, metrics = step(state, _batch(s, _rank(), n=4))
@@ -209,6 +213,7 @@ def test_compiled_step_runs_hsdp_in_bf16_with_accumulation_as_the_eager_step(wor
         # (and the root's default) no group is gathered again, so all 3 share one bucket.
         assert rep.backward_collectives == {"reduce_scatter_tensor": 1, "all_reduce": 1}
         assert rep.forward_collectives == {"all_gather_into_tensor": 1}
+        assert not rep.overlap and rep.moved_nodes == ()  # compile_overlap=False: as traced
 
 
 def _case_module_api() -> dict[str, Any]:

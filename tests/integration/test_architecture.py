@@ -38,6 +38,7 @@ ALLOWED_INTERNAL = {
     "lifecycle": {"errors"},
     "plan": {"coalesce"},
     "traced": {"records"},
+    "overlap": set(),
 }
 
 

@@ -248,12 +248,8 @@ def rebuild_on_survivors(
     # Report alive first: the teardown below can take a while on a loaded machine, and a
     # survivor that reports late is declared lost.
     _report_alive(store, epoch, report)
-    # Release every peer blocked in a collective with this rank (PeerAbortedError within
-    # 0.1 s: it then calls this function too). Dropping the process group below does not:
-    # the old model still references it, so its sockets stay open, and a peer whose collective
-    # does not involve the lost rank would wait until wait_s ran out and be declared lost.
-    # This rank's own failure may not have told them (a send to the lost rank that raised as
-    # it was posted, or an exception outside any wait).
+    # Release peers blocked on this rank (step 1 of the module docstring): dropping the group
+    # below does not close its sockets while the old model references it.
     post_abort_everywhere()
     for g, _ in model_groups(model):  # abandon the step in flight, locally (no collective)
         g.reset_iter_state()
