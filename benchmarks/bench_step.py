@@ -364,6 +364,7 @@ def _row(
         "mean_ms": 1e3 * statistics.mean(times[args.warmup :]),
         "peak_rss_mib": _peak_rss_mib(),
         "final_loss": losses[-1],
+        "losses": losses,
         "peak_gpu_mib": 0.0,
         "replicas_equal": True,
         "waits": [0.0, 0.0],
@@ -456,6 +457,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
         "waits": max((r["waits"] for r in results), key=lambda w: w[-1]),
         "faults": max(r["faults"] for r in results),
         "final_loss": results[0]["final_loss"],
+        "losses": results[0]["losses"],
         "local_param_numel": results[0]["local_param_numel"],
         "compile_s": max(r.get("compile_s", 0.0) for r in results),
         "graphs": max(r.get("graphs", 0) for r in results),
@@ -547,6 +549,16 @@ def main() -> None:
             "compiled step: "
             + "; ".join(
                 f"{_label(v)} compiled {r['graphs']} graph(s) in {r['compile_s']:.1f} s"
+                for v, r in compiled.items()
+            )
+        )
+    if compiled and "step" in rows:
+        # The same functional step, data and start: aot_eager runs the eager step's ops (its
+        # losses are equal); inductor's fused kernels round differently.
+        print(
+            "losses (rank 0, every step) against the eager step's, max |difference|: "
+            + "; ".join(
+                f"{_label(v)} {max(abs(a - b) for a, b in zip(r['losses'], rows['step']['losses'])):.3g}"
                 for v, r in compiled.items()
             )
         )
