@@ -457,7 +457,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict:
         "waits": max((r["waits"] for r in results), key=lambda w: w[-1]),
         "faults": max(r["faults"] for r in results),
         "final_loss": results[0]["final_loss"],
-        "losses": results[0]["losses"],
+        "losses": min(results, key=lambda r: r["rank"])["losses"],
         "local_param_numel": results[0]["local_param_numel"],
         "compile_s": max(r.get("compile_s", 0.0) for r in results),
         "graphs": max(r.get("graphs", 0) for r in results),

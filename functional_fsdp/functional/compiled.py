@@ -72,12 +72,13 @@ class CompiledGrads:
         backend: str,
         *,
         overlap: bool = True,
+        tree: bool = False,
         where: str = "make_train_step",
     ) -> None:
         self.where = where  # the caller, named in errors
         self.overlap = overlap
         self._moved: list[int] = []
-        traced = TracedModel(model, loss_fn, where=where)
+        traced = TracedModel(model, loss_fn, tree=tree, where=where)
         self.trainable = list(trainable)
         self.backend = backend
         self._order = traced.order
@@ -224,6 +225,7 @@ _KINDS: dict[str, NodeKind] = {
     "all_gather_into_tensor": "gather",
     "reduce_scatter_tensor": "reduce",
     "all_reduce": "reduce",
+    "all_to_all_single": "reduce",
     "wait_tensor": "wait",
 }
 

@@ -93,6 +93,7 @@ def _case_fp32(path: str) -> dict[str, Any]:
     eager, eager_losses, _ = _train(_small(), False, 4)
     compiled, losses, step = _train(_small(), "aot_eager", 4)
     ref_losses, ref_params = _reference(4)
+    compiled_ref_losses, compiled_ref = _reference(4, compile=True)
     # Resume: 2 eager steps, a DCP checkpoint, 2 compiled steps from it (the same step: its
     # graph is compiled for the model, not for a state).
     half, _, _ = _train(_small(), False, 2)
@@ -113,6 +114,11 @@ def _case_fp32(path: str) -> dict[str, Any]:
             for n, p in ref_params.items()
         ),
         "reference_losses": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        # The single-process compiled reference (aot_eager: the same ops as the eager one).
+        "compiled_reference": max(
+            (compiled_ref[n] - p).abs().max().item() for n, p in ref_params.items()
+        )
+        + max(abs(a - b) for a, b in zip(compiled_ref_losses, ref_losses)),
         "report": step.compile_report(),
     }
 
@@ -127,6 +133,7 @@ def test_compiled_step_is_bit_identical_to_the_eager_step_and_resumes_from_its_c
         # One process on the global batch sums in another order: float rounding only. (The
         # global loss is the ranks' mean; the reference's is the global batch's: equal sizes.)
         assert r["reference"] < 1e-5 and r["reference_losses"] < 1e-5
+        assert r["compiled_reference"] == 0.0  # so the same bound holds against it
         rep = r["report"]
         assert rep.graphs == 1 and rep.recompiles == 0  # 6 steps from 2 states, one graph
         # 3 groups, 2 buckets (the two blocks travel together; the root, kept after forward,
@@ -138,17 +145,19 @@ def test_compiled_step_is_bit_identical_to_the_eager_step_and_resumes_from_its_c
         assert rep.overlap and len(rep.moved_nodes) == 2 and min(rep.moved_nodes) > 0
 
 
-def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, the plain model, the global batch (both ranks'), torch's AdamW."""
+def _reference(steps: int, compile: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, the plain model, the global batch (both ranks'), torch's AdamW; with
+    ``compile``, its loss compiled whole (``aot_eager``, ``fullgraph``)."""
     from functional_fsdp.testing.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     ref = GPT(GPTConfig(vocab=101, dim=32, n_layers=2, n_heads=2, seq=8))
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+    loss_of = torch.compile(ref.loss, backend="aot_eager", fullgraph=True) if compile else ref.loss
     out = []
     for s in range(steps):
         (x0, y0), (x1, y1) = _batch(s, 0), _batch(s, 1)
-        loss = ref.loss(torch.cat([x0, x1]), torch.cat([y0, y1]))
+        loss = loss_of(torch.cat([x0, x1]), torch.cat([y0, y1]))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -216,6 +225,45 @@ def test_compiled_step_runs_hsdp_in_bf16_with_accumulation_as_the_eager_step(wor
         assert not rep.overlap and rep.moved_nodes == ()  # compile_overlap=False: as traced
 
 
+def _case_reproducible() -> dict[str, Any]:
+    """ReproduciblePolicy(2) on 2 ranks (one micro-batch each): the backward graph reduces in
+    the canonical tree (an all-to-all, the pieces added pairwise in rank order), as the eager
+    step does; and on 2 ranks with V=4 (two micro-batches each) compile is refused by name."""
+    _fresh_dynamo()
+    from functional_fsdp import ReproduciblePolicy
+    from functional_fsdp.core.errors import UnsupportedError
+    from functional_fsdp.functional import make_train_step
+
+    policy = ReproduciblePolicy(2)
+    eager, eager_losses, _ = _train(_small(reproducible=policy), False, 3)
+    compiled, losses, step = _train(_small(reproducible=policy), "aot_eager", 3)
+    with pytest.raises(UnsupportedError) as info:
+        make_train_step(
+            _small(reproducible=ReproduciblePolicy(4)),
+            _loss,
+            _functional_opt("adamw"),
+            compile="aot_eager",
+            grad_accum=2,
+        )
+    return {
+        "params": _diff(compiled.params, eager.params),
+        "opt": _diff(compiled.opt_state, eager.opt_state),
+        "losses": losses == eager_losses,
+        "report": step.compile_report(),
+        "refused": str(info.value),
+    }
+
+
+def test_compiled_step_reduces_in_the_reproducible_tree_as_the_eager_step(world: World) -> None:
+    for r in world.run(_case_reproducible):
+        assert r["params"] == 0.0 and r["opt"] == 0.0 and r["losses"]
+        rep = r["report"]
+        assert rep.graphs == 1 and rep.recompiles == 0
+        assert rep.backward_collectives == {"all_gather_into_tensor": 1, "all_to_all_single": 2}
+        assert rep.overlap and min(rep.moved_nodes) > 0
+        assert "one micro-batch per rank" in r["refused"]
+
+
 def _case_module_api() -> dict[str, Any]:
     """fully_shard + torch.optim.AdamW: loss.backward() through the hooks against
     compile_backward, 3 steps each, one collective per group (bucket_bytes 0)."""
@@ -260,7 +308,6 @@ def test_compile_backward_trains_a_fully_shard_module_with_a_torch_optimizer(wor
 
 
 def _case_refusals() -> list[str]:
-    from functional_fsdp import ReproduciblePolicy
     from functional_fsdp.core.errors import ArgumentTypeError, UnsupportedError
     from functional_fsdp.functional import make_train_step
 
@@ -269,7 +316,6 @@ def _case_refusals() -> list[str]:
     for model, compile, err in [
         (_small(), 3, ArgumentTypeError),
         (_small(), "no_such_backend", ArgumentTypeError),
-        (_small(reproducible=ReproduciblePolicy(2)), "aot_eager", UnsupportedError),
         (
             _small(shard_placement_fn=lambda p: None if p.dim() < 2 else _shard1()),
             "aot_eager",
@@ -292,5 +338,4 @@ def test_what_the_compiled_step_does_not_trace_is_refused_by_name(world: World) 
     for messages in world.run(_case_refusals):
         assert "compile must be True, False or a torch.compile backend name" in messages[0]
         assert "'no_such_backend' is not a torch.compile backend" in messages[1]
-        assert "ReproduciblePolicy" in messages[2]
-        assert "sharded on a dim other than 0" in messages[3]
+        assert "sharded on a dim other than 0" in messages[2]

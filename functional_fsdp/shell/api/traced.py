@@ -53,6 +53,7 @@ from ...core.errors import UnsupportedError
 from ...core.layout import DivideFactors
 from ...core.records import GroupLayout
 from ...core.reduction import reduce_divide_factors
+from ...core.reproducible import tree_sum
 from ...core.traced import full_params, pack_full_grads, pack_shards, traceable_reason
 from ..recovery.copies import model_groups
 from .buckets import DEFAULT_BUCKET_BYTES
@@ -88,10 +89,11 @@ class _GroupTrace:
     replicate: Any  # (DeviceMesh, dim) of the replicate group (HSDP), or None
     factors: DivideFactors
     recompute: bool
+    tree: bool = False  # reduced in a ReproduciblePolicy's canonical tree (one micro-batch)
 
     def signature(self) -> tuple[Any, ...]:
         """What groups must share to travel in one collective: the process groups, the dtypes,
-        the divide factors and whether the backward gathers again."""
+        the divide factors, whether the backward gathers again and how it reduces."""
         lay = self.layout
         return (
             _group_key(self.shard),
@@ -102,6 +104,7 @@ class _GroupTrace:
             lay.grad_reduce_dtype(),
             self.factors,
             self.recompute,
+            self.tree,
         )
 
 
@@ -153,6 +156,8 @@ def _bucket_gather(
                 parts.append(pack_full_grads(grads[k : k + n], m_lay, reduce_dtype))
                 k += n
             g = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+            if first.tree:
+                return _tree_reduce(g, shard, replicate).to(storage_dtype)
             if df.premul is not None:
                 g = g * df.premul
             if df.pre is not None:
@@ -183,6 +188,27 @@ def _bucket_gather(
         )
 
     return regathered
+
+
+def _tree_reduce(rows: torch.Tensor, shard: Any, replicate: Any) -> torch.Tensor:
+    """A ReproduciblePolicy's reduction of one micro-batch's packed gradient rows (one
+    micro-batch per rank: this rank's leaf is its subtree), as the eager engine's
+    (:func:`~functional_fsdp.core.reproducible.finish_tree_reduce`): one all-to-all gives this
+    rank every rank's row of its shard, added pairwise in rank order; under HSDP the replicas'
+    sums are all-gathered and added pairwise in replica order; then the exact power-of-two
+    average."""
+    ws, total = rows.shape
+    pieces = rows.reshape(-1)
+    if ws > 1:
+        pieces = funcol.wait_tensor(funcol.all_to_all_single(pieces, None, None, shard))
+    out = tree_sum(list(pieces.view(ws, total).unbind(0)))
+    dp = ws
+    rep_size = _size(replicate)
+    if rep_size > 1:
+        sums = funcol.wait_tensor(_all_gather(out, 0, replicate))
+        out = tree_sum(list(sums.view(rep_size, total).unbind(0)))
+        dp *= rep_size
+    return out * (1.0 / dp) if dp > 1 else out
 
 
 def _buckets(traces: list[_GroupTrace], bucket_bytes: int | None) -> list[list[int]]:
@@ -221,9 +247,10 @@ def _size(group: Any) -> int:
     return 1 if group is None else group[0].size(group[1])
 
 
-def _group_traces(model: nn.Module, where: str) -> list[_GroupTrace]:
+def _group_traces(model: nn.Module, where: str, tree: bool = False) -> list[_GroupTrace]:
     """Every group of ``model`` as a :class:`_GroupTrace`, or a named error for what the trace
-    does not cover (raised before any collective; ``where`` names the caller)."""
+    does not cover (raised before any collective; ``where`` names the caller). ``tree``: the
+    step reduces in a ReproduciblePolicy's canonical tree (one micro-batch per rank)."""
     names = {id(p): n for n, p in model.named_parameters()}
     root = getattr(model, "_ffsdp_state", None)
     traces = []
@@ -231,8 +258,11 @@ def _group_traces(model: nn.Module, where: str) -> list[_GroupTrace]:
         why = traceable_reason(g.layout)
         if why is None and g.tp is not None:
             why = "it is sharded with tensor parallelism (a 2-D mesh)"
-        if why is None and g.config.reproducible is not None:
-            why = "its gradients are reduced in a ReproduciblePolicy's canonical tree"
+        if why is None and g.config.reproducible is not None and not tree:
+            why = (
+                "its gradients are reduced in a ReproduciblePolicy's canonical tree, which "
+                "compile_backward does not write as graph nodes (make_train_step does)"
+            )
         if why is None and g.config.grad_compression is not None:
             why = "its gradients are compressed (grad_compression)"
         if why is None and g.offload:
@@ -258,6 +288,7 @@ def _group_traces(model: nn.Module, where: str) -> list[_GroupTrace]:
                 (g.mesh, 0) if hsdp else None,
                 df,
                 _regathers(g, root),
+                tree,
             )
         )
     return traces
@@ -360,12 +391,14 @@ class TracedModel:
     Args:
         model: the root module sharded with ``fully_shard``.
         loss_fn: ``loss_fn(module, batch)``, called with the skeleton.
+        tree: reduce in a ReproduciblePolicy's canonical tree (the step runs one micro-batch
+            per rank: each rank's leaf is its subtree) instead of reduce-scattering.
         where: the caller, named in errors.
 
     Raises:
         UnsupportedError: a group the trace does not cover (tensor parallelism, an all-gather
             codec, a shard dim other than 0, mixed dtypes in a group, compression, offload, a
-            ``ReproduciblePolicy``); raised before any collective.
+            group's ``ReproduciblePolicy`` without ``tree``); raised before any collective.
 
     Attributes:
         order: the parameters' names (``named_parameters``) in :meth:`forward`'s input order.
@@ -375,8 +408,10 @@ class TracedModel:
             collective per group), as the eager path's buckets.
     """
 
-    def __init__(self, model: nn.Module, loss_fn: Any, *, where: str = "make_train_step") -> None:
-        traces = _group_traces(model, where)
+    def __init__(
+        self, model: nn.Module, loss_fn: Any, *, tree: bool = False, where: str = "make_train_step"
+    ) -> None:
+        traces = _group_traces(model, where, tree)
         self.order = [n for t in traces for n in t.names]
         groups = [g for g, _ in model_groups(model)]
         holders = [g.holders for g in groups]
