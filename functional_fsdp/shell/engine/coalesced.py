@@ -124,13 +124,17 @@ class ReduceBucket:
         members: the groups, in backward order (the last one's post-backward issues).
     """
 
-    __slots__ = ("_columns", "_inputs", "_send", "members")
+    __slots__ = ("_columns", "_inputs", "_laid_out", "_send", "members")
 
     def __init__(self, members: Sequence[Reducer]) -> None:
         self.members = tuple(members)
         self._inputs: dict[int, T.ReduceInput] = {}
         self._send: torch.Tensor | None = None  # this backward's (ws, total) send buffer
         self._columns: dict[int, tuple[int, int]] = {}  # id(member) -> (offset, width)
+        # The members' layouts (kept: compared by identity) and the send buffer's shape for
+        # them: (world size, total width, dtype), or None when their reduce dtypes differ.
+        # Laid out once, not per backward (the layouts change only with the settings).
+        self._laid_out: tuple[tuple[Any, ...], tuple[int, int, torch.dtype] | None] | None = None
 
     def columns(self, group: Reducer) -> torch.Tensor | None:
         """``group``'s columns of the bucket's send buffer (allocated by the first member to
@@ -145,20 +149,31 @@ class ReduceBucket:
         if not self._inputs:
             group.reduce_chain.settle(*self.members)
             self._send = None
-            layouts = [m.state.layout for m in self.members]
-            dtype = layouts[0].grad_reduce_dtype()
-            if any(lay.grad_reduce_dtype() != dtype for lay in layouts):
+            shape = self._shape()
+            if shape is None:
                 return None
-            sizes = [lay.shard_numel for lay in layouts]
-            offsets = itertools.accumulate(sizes, initial=0)
-            self._columns = {id(m): (o, n) for m, o, n in zip(self.members, offsets, sizes)}
-            total = sum(sizes)
-            flat = group.alloc_advised(layouts[0].world_size * total, dtype, group.device)
-            self._send = flat.view(layouts[0].world_size, total)
+            ws, total, dtype = shape
+            self._send = group.alloc_advised(ws * total, dtype, group.device).view(ws, total)
         if self._send is None:
             return None
         off, width = self._columns[id(group)]
         return self._send.narrow(1, off, width)
+
+    def _shape(self) -> tuple[int, int, torch.dtype] | None:
+        """The send buffer's (world size, width, dtype) and each member's columns, laid out
+        again only when a member's layout changed."""
+        layouts = tuple(m.state.layout for m in self.members)
+        known = self._laid_out
+        if known is None or any(a is not b for a, b in zip(known[0], layouts)):
+            dtype = layouts[0].grad_reduce_dtype()
+            shape = None
+            if all(lay.grad_reduce_dtype() == dtype for lay in layouts):
+                sizes = [lay.shard_numel for lay in layouts]
+                offsets = itertools.accumulate(sizes, initial=0)
+                self._columns = {id(m): (o, n) for m, o, n in zip(self.members, offsets, sizes)}
+                shape = (layouts[0].world_size, sum(sizes), dtype)
+            known = self._laid_out = (layouts, shape)
+        return known[1]
 
     def holds(self, group: Reducer) -> bool:
         """Whether ``group`` handed in gradients that this bucket has not sent yet."""

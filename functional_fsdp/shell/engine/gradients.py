@@ -352,7 +352,9 @@ class GroupGradients:
         if pending is None:
             return
         new = ordering.finish_reduce(self.runtime, pending, self._land_grads)
-        self.state = attrs.evolve(self.state, partial=new.partial, residual=new.residual)
+        state = self.state
+        if new.partial is not state.partial or new.residual is not state.residual:
+            self.state = attrs.evolve(state, partial=new.partial, residual=new.residual)
 
     def _land_grads(self, new: ShardedState) -> list[torch.Tensor]:
         """Add the reduced shards of ``new`` to each parameter's ``.grad``; the ``.grad``
