@@ -19,12 +19,14 @@ a reduce-scatter, inside ``optimizer.step()`` (after the copies' pre-hook), or b
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import signal
 import socket
 import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -288,7 +290,11 @@ def _resume(saved: dict[str, Any] | None, port: int, old_rank: int) -> dict[str,
     return {"equal": all((got[n] == saved[n]).all() for n in saved)}
 
 
-def _world(scenario: str, tmp_path: Any) -> dict[int, Any]:
+@contextlib.contextmanager
+def _spawned(target: Any, n: int, *args: Any) -> Iterator[tuple[Any, list[Any], Any]]:
+    """``n`` spawned ranks running ``target(rank, port, *args, out)``, with a store the test
+    hosts on ``port`` (it outlives every rank): yields the store, the processes and the queue
+    ``out`` the ranks answer on; the ranks are joined (killed if still alive) on the way out."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -300,16 +306,36 @@ def _world(scenario: str, tmp_path: Any) -> dict[int, Any]:
         timeout=datetime.timedelta(seconds=60),
         wait_for_workers=False,
     )
-    os.environ["FFSDP_TEST_CKPT"] = str(tmp_path)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, scenario, out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(n)]
     for p in procs:
         p.start()
+    try:
+        yield master, procs, out
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+        del master
+
+
+def _answers(out: Any, n: int, timeout: float) -> dict[int, Any]:
+    """The first ``n`` ranks' results (a rank's failure fails the test with its traceback)."""
+    results: dict[int, Any] = {}
+    while len(results) < n:
+        rank, ok, value = out.get(timeout=timeout)
+        assert ok, f"rank {rank}:\n{value}"
+        results[rank] = value
+    return results
+
+
+def _world(scenario: str, tmp_path: Any) -> dict[int, Any]:
+    os.environ["FFSDP_TEST_CKPT"] = str(tmp_path)
     kills = SCENARIOS[scenario]["kills"]
     killed = {who for _, who, _ in kills}
-    results: dict[int, Any] = {}
-    try:
+    with _spawned(_rank, WORLD, scenario) as (master, procs, out):
         by_test = [who for _, who, point in kills if point == "test"]
         if by_test:
             master.wait([f"at/{r}" for r in range(WORLD)])
@@ -319,16 +345,7 @@ def _world(scenario: str, tmp_path: Any) -> dict[int, Any]:
                 procs[r].join(timeout=30)
             master.set("kill_time", repr(time.time()))
             master.set("killed", "1")
-        while len(results) < WORLD - len(killed):
-            rank, ok, value = out.get(timeout=150)
-            assert ok, f"rank {rank}:\n{value}"
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-        del master
+        results = _answers(out, WORLD - len(killed), 150)
     for r in killed:
         assert procs[r].exitcode == -signal.SIGKILL, (r, procs[r].exitcode)
     return results
@@ -529,34 +546,8 @@ def test_a_survivor_entering_recovery_releases_a_peer_blocked_on_it() -> None:
     ``reproducible-3-0``, where the survivors' failures were the copies' sends to the dead
     rank). Here rank 0 hears of it at once (``PeerAbortedError``), reports alive too, and both
     find that nobody was lost."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    master = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        None,
-        True,
-        timeout=datetime.timedelta(seconds=60),
-        wait_for_workers=False,
-    )
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_release_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        while len(results) < 2:
-            rank, ok, value = out.get(timeout=120)
-            assert ok, f"rank {rank}:\n{value}"
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-        del master
+    with _spawned(_release_rank, 2) as (_, _, out):
+        results = _answers(out, 2, 120)
     assert results[0][0] == "PeerAbortedError", results
     for _, rebuilt in results.values():
         assert "every rank reported alive" in rebuilt, results
