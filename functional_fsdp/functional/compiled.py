@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from ..core.errors import ArgumentTypeError, UnsupportedError
 from ..core.overlap import GraphNode, NodeKind, overlap_order
-from ..shell import TracedModel
+from ..core.reproducible import ReproduciblePolicy
+from ..shell import TracedModel, TreeReductions
 from ._stepping import Accumulated, _local, _loss_and_aux, add_micro_grads, detached, split_batch
 
 __all__ = ["CompileReport", "CompiledGrads", "compile_backward"]
@@ -72,13 +73,21 @@ class CompiledGrads:
         backend: str,
         *,
         overlap: bool = True,
-        tree: bool = False,
+        reproducible: ReproduciblePolicy | None = None,
         where: str = "make_train_step",
     ) -> None:
         self.where = where  # the caller, named in errors
         self.overlap = overlap
+        self.policy = reproducible
         self._moved: list[int] = []
-        traced = TracedModel(model, loss_fn, tree=tree, where=where)
+        reduce = "scatter"
+        if reproducible is not None:  # one micro-batch per rank: the whole tree in the graph
+            reduce = (
+                "tree" if reproducible.micro_batches_per_rank(_dp_size(model)) == 1 else "outside"
+            )
+        traced = TracedModel(model, loss_fn, reduce=reduce, where=where)
+        self._traced = traced
+        self.reduce = reduce
         self.trainable = list(trainable)
         self.backend = backend
         self._order = traced.order
@@ -87,8 +96,8 @@ class CompiledGrads:
         self._first_s = 0.0
         self._steady_s: float | None = None
 
-        def forward(locals_: list[torch.Tensor], batch: Any) -> Any:
-            return traced.forward(locals_, batch)
+        def forward(locals_: list[torch.Tensor], batch: Any, sinks: list[torch.Tensor]) -> Any:
+            return traced.forward(locals_, batch, sinks)
 
         # A code object of its own: dynamo caches compiled frames per code object, and every
         # step made in a process would otherwise share (and evict) one cache.
@@ -163,16 +172,22 @@ class CompiledGrads:
         acc: list[torch.Tensor] | None = None
         loss_sum = torch.zeros(())
         auxes: list[Any] = []
+        tree = _Tree(self._traced, self.policy, leaves) if self.reduce == "outside" else None
         for micro in split_batch(batch, grad_accum):
-            loss, aux = _loss_and_aux(self._call(ordered, micro), has_aux)
+            sinks = tree.sinks() if tree is not None else []
+            loss, aux = _loss_and_aux(self._call(ordered, micro, sinks), has_aux)
             loss_sum = loss_sum + loss.detach().float()
             if has_aux:
                 auxes.append(detached(aux))
-            got = torch.autograd.grad(
-                loss / grad_accum if grad_accum > 1 else loss, inputs, allow_unused=True
-            )
-            del loss, aux
-            acc = add_micro_grads(acc, got, inputs)
+            scaled = loss / grad_accum if grad_accum > 1 else loss
+            if tree is not None:
+                tree.push(torch.autograd.grad(scaled, sinks, allow_unused=True))
+            else:
+                got = torch.autograd.grad(scaled, inputs, allow_unused=True)
+                acc = add_micro_grads(acc, got, inputs)
+            del loss, aux, scaled
+        if tree is not None:
+            acc = tree.finish(inputs)
         assert acc is not None
         seconds = time.perf_counter() - t0
         self._calls += 1
@@ -182,9 +197,9 @@ class CompiledGrads:
             self._steady_s = seconds
         return Accumulated(acc, loss_sum, auxes)
 
-    def _call(self, ordered: list[torch.Tensor], micro: Any) -> Any:
+    def _call(self, ordered: list[torch.Tensor], micro: Any, sinks: list[torch.Tensor]) -> Any:
         try:
-            return self._compiled(ordered, micro)
+            return self._compiled(ordered, micro, sinks)
         except torch._dynamo.exc.Unsupported as e:  # traced on fake tensors: no collective ran
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UnsupportedError(
@@ -218,6 +233,52 @@ def _collectives(gm: Any) -> dict[str, int]:
             if name != "wait_tensor":
                 out[name] = out.get(name, 0) + 1
     return out
+
+
+class _Tree:
+    """A ReproduciblePolicy's reduction of a step with several micro-batches per rank: each
+    micro-batch's graph hands out its full gradients (as the gradients of *sinks*, one per
+    parameter) and the eager engine's :class:`~functional_fsdp.shell.TreeReductions` sums them
+    in the canonical tree and reduces each group once after the last, as the eager step does."""
+
+    def __init__(self, traced: TracedModel, policy: Any, leaves: dict[str, torch.Tensor]) -> None:
+        self.traced, self.leaves = traced, leaves
+        self.tree = TreeReductions(policy)
+        self.shapes = [
+            (spec.shape, dtype)
+            for lay in traced.layouts
+            for spec, dtype in zip(lay.specs, lay.gather_dtypes)
+        ]
+
+    def sinks(self) -> list[torch.Tensor]:
+        """One micro-batch's sinks: each a parameter's full shape and dtype, one element of
+        memory (stride 0: their values are never read)."""
+        return [
+            torch.empty_strided(shape, (0,) * len(shape), dtype=dtype).requires_grad_()
+            for shape, dtype in self.shapes
+        ]
+
+    def push(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """One micro-batch's full gradients (the sinks'), each group's a leaf of its tree."""
+        order, k = self.traced.order, 0
+        for group, lay in zip(self.traced.groups, self.traced.layouts):
+            n = len(lay)
+            sources = tuple(id(self.leaves[name]) for name in order[k : k + n])
+            self.tree.push(group, group.state, sources, grads[k : k + n])
+            k += n
+        self.tree.end_backward()
+
+    def finish(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Reduce every group once; the local gradients of ``inputs`` (zeros where none)."""
+        reduced = self.tree.finish()
+        got = [reduced.get(id(x)) for x in inputs]
+        return [g if g is not None else torch.zeros_like(x) for g, x in zip(got, inputs)]
+
+
+def _dp_size(model: nn.Module) -> int:
+    """The data-parallel world size of ``model``'s parameters (1 without a mesh)."""
+    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+    return 1 if mesh is None else mesh.size()
 
 
 _C10D = "_c10d_functional."

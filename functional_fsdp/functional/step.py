@@ -349,12 +349,6 @@ def _reproducible(
     return policy
 
 
-def _dp_size(model: nn.Module) -> int:
-    """The data-parallel world size of ``model``'s parameters (1 without a mesh)."""
-    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
-    return 1 if mesh is None else mesh.size()
-
-
 def make_train_step(
     model: nn.Module,
     loss_fn: LossFn,
@@ -486,20 +480,11 @@ def _compiled(
         raise ArgumentTypeError(
             f"{where}: compile must be True, False or a torch.compile backend name, got {compile!r}"
         )
-    if policy is not None and policy.virtual_world_size != _dp_size(model):
-        from ..core.errors import UnsupportedError
-
-        raise UnsupportedError(
-            f"{where}(compile=...) reduces in a ReproduciblePolicy's canonical tree only with "
-            f"one micro-batch per rank (virtual_world_size={policy.virtual_world_size} on "
-            f"{_dp_size(model)} data-parallel ranks sums several per rank first, which takes "
-            "one backward each); make the step without compile on this world size"
-        )
     from .compiled import CompiledGrads
 
     if not isinstance(overlap, bool):
         raise ArgumentTypeError(f"{where}: compile_overlap must be True or False, got {overlap!r}")
     backend = "inductor" if compile is True else compile
     return CompiledGrads(
-        model, loss_fn, trainable, backend, overlap=overlap, tree=policy is not None, where=where
+        model, loss_fn, trainable, backend, overlap=overlap, reproducible=policy, where=where
     )

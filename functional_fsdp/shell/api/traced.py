@@ -89,7 +89,10 @@ class _GroupTrace:
     replicate: Any  # (DeviceMesh, dim) of the replicate group (HSDP), or None
     factors: DivideFactors
     recompute: bool
-    tree: bool = False  # reduced in a ReproduciblePolicy's canonical tree (one micro-batch)
+    # How the backward reduces: "scatter" (reduce-scatter, FSDP2's), "tree" (a
+    # ReproduciblePolicy's canonical tree in the graph: one micro-batch per rank) or "outside"
+    # (the graph hands out the full gradients; the caller reduces them in the tree).
+    reduce: str = "scatter"
 
     def signature(self) -> tuple[Any, ...]:
         """What groups must share to travel in one collective: the process groups, the dtypes,
@@ -104,7 +107,7 @@ class _GroupTrace:
             lay.grad_reduce_dtype(),
             self.factors,
             self.recompute,
-            self.tree,
+            self.reduce,
         )
 
 
@@ -139,7 +142,8 @@ def _bucket_gather(
         (``pack_full_grads``), one reduce-scatter (HSDP: then one all-reduce)."""
 
         @staticmethod
-        def forward(ctx: Any, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def forward(ctx: Any, flat: torch.Tensor, *sinks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            del sinks  # "outside": what the full gradients are handed out as (see backward)
             gathered = funcol.wait_tensor(_all_gather(flat.to(gather_dtype), 0, shard))
             rows = gathered.view(ws, sum(totals))
             out: list[torch.Tensor] = []
@@ -150,13 +154,15 @@ def _bucket_gather(
             return tuple(out)
 
         @staticmethod
-        def backward(ctx: Any, *grads: torch.Tensor | None) -> torch.Tensor:
+        def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
+            if first.reduce == "outside":  # as the gradients of the sinks, unreduced
+                return (None, *grads)
             parts, k = [], 0
             for m_lay, n in zip(layouts, counts):
                 parts.append(pack_full_grads(grads[k : k + n], m_lay, reduce_dtype))
                 k += n
             g = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
-            if first.tree:
+            if first.reduce == "tree":
                 return _tree_reduce(g, shard, replicate).to(storage_dtype)
             if df.premul is not None:
                 g = g * df.premul
@@ -173,16 +179,17 @@ def _bucket_gather(
                 g = g / df.post
             return g.to(storage_dtype)
 
-    def gathered(*flats: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return _Gather.apply(torch.cat(flats) if len(flats) > 1 else flats[0])
+    def gathered(*flats: torch.Tensor, sinks: tuple[torch.Tensor, ...] = ()) -> Any:
+        return _Gather.apply(torch.cat(flats) if len(flats) > 1 else flats[0], *sinks)
 
     if not first.recompute:
         return gathered
 
-    def regathered(*flats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def regathered(*flats: torch.Tensor, sinks: tuple[torch.Tensor, ...] = ()) -> Any:
         return checkpoint(
             gathered,
             *flats,
+            sinks=sinks,
             use_reentrant=False,
             context_fn=functools.partial(create_selective_checkpoint_contexts, _must_recompute),
         )
@@ -247,10 +254,10 @@ def _size(group: Any) -> int:
     return 1 if group is None else group[0].size(group[1])
 
 
-def _group_traces(model: nn.Module, where: str, tree: bool = False) -> list[_GroupTrace]:
+def _group_traces(model: nn.Module, where: str, reduce: str = "scatter") -> list[_GroupTrace]:
     """Every group of ``model`` as a :class:`_GroupTrace`, or a named error for what the trace
-    does not cover (raised before any collective; ``where`` names the caller). ``tree``: the
-    step reduces in a ReproduciblePolicy's canonical tree (one micro-batch per rank)."""
+    does not cover (raised before any collective; ``where`` names the caller). ``reduce``: how
+    the backward reduces (:attr:`_GroupTrace.reduce`)."""
     names = {id(p): n for n, p in model.named_parameters()}
     root = getattr(model, "_ffsdp_state", None)
     traces = []
@@ -258,7 +265,7 @@ def _group_traces(model: nn.Module, where: str, tree: bool = False) -> list[_Gro
         why = traceable_reason(g.layout)
         if why is None and g.tp is not None:
             why = "it is sharded with tensor parallelism (a 2-D mesh)"
-        if why is None and g.config.reproducible is not None and not tree:
+        if why is None and g.config.reproducible is not None and reduce == "scatter":
             why = (
                 "its gradients are reduced in a ReproduciblePolicy's canonical tree, which "
                 "compile_backward does not write as graph nodes (make_train_step does)"
@@ -288,7 +295,7 @@ def _group_traces(model: nn.Module, where: str, tree: bool = False) -> list[_Gro
                 (g.mesh, 0) if hsdp else None,
                 df,
                 _regathers(g, root),
-                tree,
+                reduce,
             )
         )
     return traces
@@ -391,8 +398,10 @@ class TracedModel:
     Args:
         model: the root module sharded with ``fully_shard``.
         loss_fn: ``loss_fn(module, batch)``, called with the skeleton.
-        tree: reduce in a ReproduciblePolicy's canonical tree (the step runs one micro-batch
-            per rank: each rank's leaf is its subtree) instead of reduce-scattering.
+        reduce: how the backward reduces: ``"scatter"`` (FSDP2's reduce-scatter), ``"tree"``
+            (a ReproduciblePolicy's canonical tree, in the graph: one micro-batch per rank) or
+            ``"outside"`` (no reduction in the graph: each parameter's full gradient is the
+            gradient of its *sink*, an input of :meth:`forward`, for the caller to reduce).
         where: the caller, named in errors.
 
     Raises:
@@ -402,6 +411,9 @@ class TracedModel:
 
     Attributes:
         order: the parameters' names (``named_parameters``) in :meth:`forward`'s input order.
+        groups: the model's groups (``model_groups`` order: their parameters are :attr:`order`'s
+            consecutive runs).
+        layouts: each group's layout, in that order.
         buckets: the groups (indices in ``model_groups`` order) that share one all-gather and
             one reduce-scatter: adjacent groups of one :meth:`_GroupTrace.signature`, up to the
             root's ``bucket_bytes`` of unsharded parameters (``set_bucket_bytes``; 0: one
@@ -409,11 +421,17 @@ class TracedModel:
     """
 
     def __init__(
-        self, model: nn.Module, loss_fn: Any, *, tree: bool = False, where: str = "make_train_step"
+        self,
+        model: nn.Module,
+        loss_fn: Any,
+        *,
+        reduce: str = "scatter",
+        where: str = "make_train_step",
     ) -> None:
-        traces = _group_traces(model, where, tree)
+        traces = _group_traces(model, where, reduce)
+        self.layouts = [t.layout for t in traces]
         self.order = [n for t in traces for n in t.names]
-        groups = [g for g, _ in model_groups(model)]
+        self.groups = groups = [g for g, _ in model_groups(model)]
         holders = [g.holders for g in groups]
         gathered = {id(getattr(m, a)) for hs in holders for h in hs for m, a in h}
         skeleton, copies = _skeleton(model, gathered)
@@ -473,14 +491,25 @@ class TracedModel:
         done.add(b)
         locals_ = self._box["locals"]
         flats = [pack_shards(locals_[start : start + len(lay)], lay) for start, lay in shards]
-        for holders, v in zip(targets, gather(*flats)):
+        sinks = self._box["sinks"]
+        if sinks:
+            mine = tuple(sinks[start + k] for start, lay in shards for k in range(len(lay)))
+            full = gather(*flats, sinks=mine)
+        else:
+            full = gather(*flats)
+        for holders, v in zip(targets, full):
             for m, attr in holders:
                 setattr(m, attr, v)
 
-    def forward(self, locals_: list[torch.Tensor], batch: Any) -> Any:
+    def forward(
+        self, locals_: list[torch.Tensor], batch: Any, sinks: list[torch.Tensor] | None = None
+    ) -> Any:
         """``loss_fn(skeleton, batch)``, each group's full parameters gathered from ``locals_``
-        (this rank's unpadded shards, in :attr:`order`) when its module's forward begins."""
+        (this rank's unpadded shards, in :attr:`order`) when its module's forward begins.
+        ``sinks`` (``reduce="outside"`` only): one tensor per parameter, in :attr:`order`,
+        whose gradient is that parameter's full gradient (any values: they are not read)."""
         self._box["locals"] = locals_
+        self._box["sinks"] = sinks or []
         self._box["done"] = set()
         out = self._loss_fn(self._skeleton, batch)
         # Leave nothing behind: an attribute or entry still set when the trace ends would make
