@@ -5,15 +5,18 @@ all-gather and reduce-scatter as two nodes: the *issue* (the collective starts, 
 and the *wait* (its result is needed). Traced, each wait follows its issue at once, so nothing
 overlaps. :func:`overlap_order` returns a new order of the same nodes in which
 
-- each **wait** runs just before the first node that needs its result (a wait whose result
-  only leaves the graph, e.g. a reduce-scatter's reduced shard, runs at the end, or when the
-  next collective of its kind needs its place);
+- each **wait** runs just before the first node that needs its result; a reduction's result
+  that only leaves the graph (a reduce-scatter's reduced shard and its post-divide) is
+  computed at the end, or when the next reduction needs its place;
 - each **all-gather** whose input is ready from the graph's inputs alone (the packed local
-  shards: a prefetch) is issued as soon as the previous all-gather was waited for, so it
-  travels while the previous bucket's compute runs;
-- at most ``depth`` collectives of each kind (gathers; reductions) are in flight at once, so
-  memory stays bounded as in the eager engine: with ``depth=1`` one bucket's gathered
-  parameters are prefetched ahead, and one reduction travels while the backward goes on.
+  shards: a *prefetch*) is issued as soon as the previous prefetch was waited for, so it
+  travels while the previous bucket's compute runs; the compute itself keeps its traced order;
+- at most ``depth`` collectives of each kind (prefetches; the others: reductions, and
+  all-gathers of computed values such as HSDP's) are in flight at once, so memory stays
+  bounded as in the eager engine: with ``depth=1`` one bucket's gathered parameters are
+  prefetched ahead, and one reduction travels while the backward goes on;
+- nodes marked ``ordered`` (random ops: each draws from the generator's state) keep their
+  order among themselves.
 
 The order is a function of the graph's shape alone, so every rank, tracing the same step,
 issues the same collectives in the same order. The shell describes a graph as
@@ -41,11 +44,15 @@ class GraphNode:
             (an all-gather issued), ``"reduce"`` (a reduce-scatter or all-reduce issued),
             ``"wait"`` (a collective's result awaited), ``"compute"`` (anything else),
             ``"output"`` (the graph's output: stays last).
-        inputs: the indices (in the graph's order) of the nodes it reads.
+        inputs: the indices (in the graph's order) of the nodes it reads. A ``"wait"`` reads
+            one node: its collective, or another wait of it.
+        ordered: a compute node that must keep its order relative to every other ``ordered``
+            node (a random op: reordering two changes what each draws).
     """
 
     kind: NodeKind
     inputs: tuple[int, ...] = ()
+    ordered: bool = False
 
 
 def overlap_order(nodes: Sequence[GraphNode], *, depth: int = 1) -> tuple[int, ...]:
@@ -54,7 +61,8 @@ def overlap_order(nodes: Sequence[GraphNode], *, depth: int = 1) -> tuple[int, .
     collectives of one kind (gathers; reductions) in flight at once.
 
     Raises:
-        ValueError: ``nodes`` is not in topological order, or ``depth < 1``.
+        ValueError: ``nodes`` is not in topological order, a wait does not read exactly one
+            collective (or a wait of one), or ``depth < 1``.
     """
     if depth < 1:
         raise ValueError(f"overlap_order: depth must be at least 1, got {depth}")
@@ -77,12 +85,21 @@ class _Schedule:
                     )
                 self.users[j].append(i)
         self.issue_of = _issues(nodes)
-        self.lazy = _lazy(nodes, self.users)
         self.prep = _prep(nodes)
+        self.lazy = _lazy(nodes, self.users, self.issue_of)
+        # The in-flight slot each collective takes: a prefetch (an all-gather of what the
+        # inputs alone make) a "gather" one, any other collective a "reduce" one.
+        self.slot = {
+            i: "gather"
+            if nd.kind == "gather" and all(self.prep[j] for j in nd.inputs)
+            else "reduce"
+            for i, nd in enumerate(nodes)
+            if nd.kind in ("gather", "reduce")
+        }
         self.done = [False] * n
         self.order: list[int] = []
         self.flying: dict[str, list[int]] = {"gather": [], "reduce": []}  # issued, not waited
-        self.gathers = [i for i in range(n) if nodes[i].kind == "gather"]
+        self.gathers = [i for i in range(n) if self.slot.get(i) == "gather"]
         self.next_gather = 0
 
     def run(self) -> tuple[int, ...]:
@@ -116,10 +133,11 @@ class _Schedule:
                 continue
             stack.pop()
             kind = nodes[top].kind
-            if kind in flying:
-                while len(flying[kind]) >= self.depth:  # make room: the oldest's wait first
-                    self.wait_for(flying[kind][0])
-                flying[kind].append(top)
+            if kind in ("gather", "reduce"):
+                queue = flying[self.slot[top]]
+                while len(queue) >= self.depth:  # make room: the oldest's wait first
+                    self.wait_for(queue[0])
+                queue.append(top)
             elif kind == "wait":
                 self.landed(self.issue_of[top])
             done[top] = True
@@ -145,35 +163,47 @@ class _Schedule:
             self.next_gather += 1
         if self.next_gather == len(gathers) or len(self.flying["gather"]) >= self.depth:
             return
-        g = gathers[self.next_gather]
-        if all(self.done[j] or self.prep[j] for j in self.nodes[g].inputs):
-            self.emit(g)
+        self.emit(gathers[self.next_gather])  # its input is packed from the inputs alone
 
 
 def _issues(nodes: Sequence[GraphNode]) -> list[int | None]:
     """For each wait, the collective it completes (through a wait of a wait), else ``None``."""
     out: list[int | None] = [None] * len(nodes)
     for i, node in enumerate(nodes):
-        if node.kind != "wait" or not node.inputs:
+        if node.kind != "wait":
             continue
-        src = node.inputs[0]
-        out[i] = src if nodes[src].kind in ("gather", "reduce") else out[src]
+        src = node.inputs[0] if len(node.inputs) == 1 else None
+        if src is not None and nodes[src].kind in ("gather", "reduce"):
+            out[i] = src
+        elif src is not None and nodes[src].kind == "wait":
+            out[i] = out[src]
+        else:
+            raise ValueError(
+                f"overlap_order: wait {i} reads {list(node.inputs)}; a wait reads exactly one "
+                "node, its collective (or a wait of it)"
+            )
     return out
 
 
-def _lazy(nodes: Sequence[GraphNode], users: Sequence[Sequence[int]]) -> list[bool]:
-    """Nodes that run only when something needs them: waits, and the compute after a wait
-    whose every user is lazy or the output (e.g. a reduced shard's post-divide)."""
-    after_wait = [False] * len(nodes)  # a wait, or compute that reads one (through compute)
+def _lazy(
+    nodes: Sequence[GraphNode], users: Sequence[Sequence[int]], issue_of: Sequence[int | None]
+) -> list[bool]:
+    """Nodes that run only when something needs them: waits, and the compute after a
+    *reduction's* wait whose every user is lazy or the output (a reduced shard's post-divide
+    and split). The compute after a gather's wait keeps its place: it is the model's, and
+    deferring it would gather every bucket before any compute runs."""
+    after = [False] * len(nodes)  # a reduction's wait, or compute that reads one
     for i, node in enumerate(nodes):
-        after_wait[i] = node.kind == "wait" or (
-            node.kind == "compute" and any(after_wait[j] for j in node.inputs)
-        )
+        if node.kind == "wait":
+            issue = issue_of[i]
+            after[i] = issue is not None and nodes[issue].kind == "reduce"
+        elif node.kind == "compute" and not node.ordered:
+            after[i] = any(after[j] for j in node.inputs)
     lazy = [False] * len(nodes)
     for i in reversed(range(len(nodes))):  # every user of a node is decided before it
         node = nodes[i]
         lazy[i] = node.kind == "wait" or (
-            after_wait[i]
+            after[i]
             and bool(users[i])
             and all(lazy[u] or nodes[u].kind == "output" for u in users[i])
         )
@@ -188,6 +218,6 @@ def _prep(nodes: Sequence[GraphNode]) -> list[bool]:
     for i, node in enumerate(nodes):
         if node.kind == "input":
             prep[i] = True
-        elif node.kind == "compute":
+        elif node.kind == "compute" and not node.ordered:
             prep[i] = all(prep[j] for j in node.inputs)
     return prep

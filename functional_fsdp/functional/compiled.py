@@ -44,10 +44,12 @@ class CompileReport:
         forward_collectives: collective nodes in the forward graph, by op (aot backends only:
             ``{}`` for inductor, whose graphs are not handed to us).
         backward_collectives: the same for the backward graph.
-        overlap: whether the graphs were reordered so that each collective is issued early and
-            waited for late (``compile_overlap``; :mod:`functional_fsdp.core.overlap`).
-        moved_nodes: for each graph compiled (forward, then backward), how many of its nodes
-            the reordering moved (empty without ``overlap``).
+        overlap: whether the reordering pass ran on the graphs (``compile_overlap`` on a
+            backend it applies to: ``aot_eager``, ``inductor``), so that each collective is
+            issued early and waited for late (:mod:`functional_fsdp.core.overlap`).
+        moved_nodes: for each graph the pass ran on (forward, then backward), how many of its
+            nodes it moved (0: a graph it must leave as traced, or nothing to move). Inductor
+            runs it only when it compiles a graph (not on a cache hit).
     """
 
     backend: str
@@ -181,7 +183,7 @@ class CompiledGrads:
                 auxes.append(detached(aux))
             scaled = loss / grad_accum if grad_accum > 1 else loss
             if tree is not None:
-                tree.push(torch.autograd.grad(scaled, sinks, allow_unused=True))
+                tree.push(scaled, sinks)
             else:
                 got = torch.autograd.grad(scaled, inputs, allow_unused=True)
                 acc = add_micro_grads(acc, got, inputs)
@@ -218,7 +220,7 @@ class CompiledGrads:
             max(0, self._compiles - 1),
             _collectives(self._graphs.get("forward")),
             _collectives(self._graphs.get("backward")),
-            self.overlap,
+            self.overlap and bool(self._moved),
             tuple(self._moved),
         )
 
@@ -249,17 +251,22 @@ class _Tree:
             for lay in traced.layouts
             for spec, dtype in zip(lay.specs, lay.gather_dtypes)
         ]
+        self.trains = [leaves[name].requires_grad for name in traced.order]
 
     def sinks(self) -> list[torch.Tensor]:
         """One micro-batch's sinks: each a parameter's full shape and dtype, one element of
-        memory (stride 0: their values are never read)."""
+        memory (stride 0: their values are never read); a frozen parameter's needs no
+        gradient."""
         return [
-            torch.empty_strided(shape, (0,) * len(shape), dtype=dtype).requires_grad_()
-            for shape, dtype in self.shapes
+            torch.empty_strided(shape, (0,) * len(shape), dtype=dtype).requires_grad_(trains)
+            for (shape, dtype), trains in zip(self.shapes, self.trains)
         ]
 
-    def push(self, grads: Sequence[torch.Tensor | None]) -> None:
+    def push(self, loss: torch.Tensor, sinks: Sequence[torch.Tensor]) -> None:
         """One micro-batch's full gradients (the sinks'), each group's a leaf of its tree."""
+        wanted = [s for s in sinks if s.requires_grad]
+        got = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+        grads = [next(got) if s.requires_grad else None for s in sinks]
         order, k = self.traced.order, 0
         for group, lay in zip(self.traced.groups, self.traced.layouts):
             n = len(lay)
@@ -291,6 +298,12 @@ _KINDS: dict[str, NodeKind] = {
 }
 
 
+def _ordered(node: torch.fx.Node) -> bool:
+    """A random op (it draws from the generator's state: its order among them matters)."""
+    tags = getattr(node.target, "tags", ())
+    return torch.Tag.nondeterministic_seeded in tags
+
+
 def _kind(node: torch.fx.Node) -> NodeKind | None:
     """The scheduler's kind of ``node``; ``None`` for a node it must not move (an in-place
     op: reordering it could change what its readers see; a collective it does not know)."""
@@ -310,19 +323,22 @@ def _kind(node: torch.fx.Node) -> NodeKind | None:
 def reorder_for_overlap(graph: torch.fx.Graph, depth: int = 1) -> int:
     """Reorder ``graph`` in place (its nodes are moved, none added) as
     :func:`~functional_fsdp.core.overlap.overlap_order` says: each collective issued early,
-    waited for late, at most ``depth`` of a kind in flight. A graph with a node the scheduler
-    must not move (an in-place op, an unknown collective) is left as it is. Returns how many
-    nodes changed place."""
+    waited for late, at most ``depth`` of a kind in flight, random ops in their order. A graph
+    with a node the scheduler must not move (an in-place op, an unknown collective) or cannot
+    describe is left as it is. Returns how many nodes changed place."""
     nodes = list(graph.nodes)
     kinds = [_kind(n) for n in nodes]
     if any(k is None for k in kinds):
         return 0
     index = {n: i for i, n in enumerate(nodes)}
     desc = [
-        GraphNode(k, tuple(index[a] for a in n.all_input_nodes))  # type: ignore[arg-type]
+        GraphNode(k, tuple(index[a] for a in n.all_input_nodes), _ordered(n))  # type: ignore[arg-type]
         for n, k in zip(nodes, kinds)
     ]
-    order = overlap_order(desc, depth=depth)
+    try:
+        order = overlap_order(desc, depth=depth)
+    except ValueError:  # a graph the scheduler cannot describe (a wait of a view): as traced
+        return 0
     moved = sum(1 for pos, i in enumerate(order) if pos != i)
     if moved:
         prev = nodes[order[0]]

@@ -29,10 +29,13 @@ def _check(nodes: list[GraphNode], order: tuple[int, ...], depth: int) -> None:
         kind = nodes[i].kind
         if kind in flying:
             flying[kind].add(i)
-            assert len(flying[kind]) <= depth, f"{len(flying[kind])} {kind}s in flight"
+            # (a gather of a computed value takes a reduction's slot: at most 2*depth then)
+            assert len(flying[kind]) <= 2 * depth, f"{len(flying[kind])} {kind}s in flight"
         elif kind == "wait":
             for queue in flying.values():
                 queue.discard(nodes[i].inputs[0])
+    ordered = [i for i in order if nodes[i].ordered]
+    assert ordered == sorted(ordered)  # random ops draw in their traced order
 
 
 class _Graph:
@@ -81,6 +84,13 @@ def test_the_next_bucket_is_gathered_while_this_one_computes() -> None:
         assert pos[gather_next] < pos[compute]  # issued before this block's compute
     for (_, wait, _), (gather_next, _, _) in pairwise(blocks):
         assert pos[wait] < pos[gather_next]  # one gather in flight: depth=1
+    for (_, _, compute), (_, wait_next, _) in pairwise(blocks):
+        assert pos[compute] < pos[wait_next]  # the compute runs while the next one travels
+    flying, most = 0, 0  # at most one bucket gathered ahead, never all of them first
+    for i in order:
+        flying += {"gather": 1, "wait": -1}.get(nodes[i].kind, 0)
+        most = max(most, flying)
+    assert most == 1
     # Traced order (each wait at once, nothing ahead) is what the graph had.
     assert order != tuple(range(len(nodes)))
 
@@ -116,9 +126,28 @@ def test_a_gather_waits_for_what_its_input_needs() -> None:
     assert order.index(rs) < order.index(before) < order.index(wait) < order.index(gather)
 
 
+def test_random_ops_keep_their_order() -> None:
+    """A random op after a reduction's wait is not deferred, and one that reads only the
+    inputs is not hoisted with a prefetch: each draws from the generator in its traced order."""
+    g = _Graph()
+    _, wait = g.reduce(g.add("compute", 0))
+    noise = len(g.nodes)
+    g.nodes.append(GraphNode("compute", (wait,), ordered=True))  # dropout of a reduced value
+    g.leaving.append(noise)
+    fresh = len(g.nodes)
+    g.nodes.append(GraphNode("compute", (), ordered=True))  # a rand() of its own
+    gather = g.add("gather", fresh)
+    nodes = g.done(g.add("compute", g.add("wait", gather)))
+    order = overlap_order(nodes)
+    _check(nodes, order, 1)
+    assert order.index(noise) < order.index(fresh)
+
+
 def test_bad_graphs_are_refused() -> None:
     with pytest.raises(ValueError, match="topological"):
         overlap_order([GraphNode("compute", (1,)), GraphNode("input")])
+    with pytest.raises(ValueError, match="exactly one"):
+        overlap_order([GraphNode("input"), GraphNode("reduce", (0,)), GraphNode("wait", (0, 1))])
     with pytest.raises(ValueError, match="depth"):
         overlap_order([GraphNode("input")], depth=0)
 
@@ -128,10 +157,11 @@ def _graphs(draw: Any) -> list[GraphNode]:
     g = _Graph(draw(st.integers(1, 3)))
     live = list(range(len(g.nodes)))
     for _ in range(draw(st.integers(0, 14))):
-        what = draw(st.sampled_from(["compute", "block", "reduce", "wait2"]))
-        if what == "compute":
-            reads = draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True))
-            live.append(g.add("compute", *reads))
+        what = draw(st.sampled_from(["compute", "random", "block", "reduce", "wait2"]))
+        if what in ("compute", "random"):
+            reads = draw(st.lists(st.sampled_from(live), min_size=0, max_size=3, unique=True))
+            g.nodes.append(GraphNode("compute", tuple(reads), ordered=what == "random"))
+            live.append(len(g.nodes) - 1)
         elif what == "block":
             _, _, out = g.block(draw(st.sampled_from(live)), draw(st.integers(0, 0)))
             live.append(out)

@@ -196,9 +196,7 @@ def _case_bf16_hsdp() -> dict[str, Any]:
     for mode in (False, "aot_eager"):
         model = build()
         opt = _functional_opt("adamw")
-        step = make_train_step(
-            model, loss_aux, opt, compile=mode, grad_accum=2, has_aux=True, compile_overlap=False
-        )
+        step = make_train_step(model, loss_aux, opt, compile=mode, grad_accum=2, has_aux=True)
         state = init(model, opt)
         for s in range(3):
             state, metrics = step(state, _batch(s, _rank(), n=4))
@@ -222,7 +220,7 @@ def test_compiled_step_runs_hsdp_in_bf16_with_accumulation_as_the_eager_step(wor
         # (and the root's default) no group is gathered again, so all 3 share one bucket.
         assert rep.backward_collectives == {"reduce_scatter_tensor": 1, "all_reduce": 1}
         assert rep.forward_collectives == {"all_gather_into_tensor": 1}
-        assert not rep.overlap and rep.moved_nodes == ()  # compile_overlap=False: as traced
+        assert rep.overlap and len(rep.moved_nodes) == 2  # reordered (the default)
 
 
 def _case_reproducible() -> dict[str, Any]:
@@ -267,7 +265,8 @@ def test_compiled_step_reduces_in_the_reproducible_tree_as_the_eager_step(world:
 
 def _case_module_api() -> dict[str, Any]:
     """fully_shard + torch.optim.AdamW: loss.backward() through the hooks against
-    compile_backward, 3 steps each, one collective per group (bucket_bytes 0)."""
+    compile_backward (its graphs as traced: compile_overlap=False), 3 steps each, one
+    collective per group (bucket_bytes 0)."""
     _fresh_dynamo()
     from functional_fsdp.functional import compile_backward
 
@@ -276,7 +275,9 @@ def _case_module_api() -> dict[str, Any]:
         model = _small()
         model.set_bucket_bytes(0)  # type: ignore[operator]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-        backward = compile_backward(model, _loss, compile=mode) if mode else None
+        backward = (
+            compile_backward(model, _loss, compile=mode, compile_overlap=False) if mode else None
+        )
         losses = []
         for s in range(3):
             batch = _batch(s, _rank())
@@ -305,6 +306,7 @@ def test_compile_backward_trains_a_fully_shard_module_with_a_torch_optimizer(wor
         assert r["params"] == 0.0 and r["losses"]
         assert r["reference"] < 1e-5  # float rounding: two ranks' sums against one batch's
         assert r["report"].graphs == 1
+        assert not r["report"].overlap and r["report"].moved_nodes == ()  # compile_overlap=False
         assert r["report"].backward_collectives == {
             "all_gather_into_tensor": 2,
             "reduce_scatter_tensor": 3,
