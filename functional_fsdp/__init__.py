@@ -40,6 +40,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "reshard": (".core.transitions", "reshard"),
     "writeback": (".core.transitions", "writeback"),
     "reduce_grad": (".core.transitions", "reduce_grad"),
+    "ReducePolicy": (".core.reduction", "ReducePolicy"),
     "ReproduciblePolicy": (".core.reproducible", "ReproduciblePolicy"),
     "Redundancy": (".core.recovery", "Redundancy"),
     "Bucket": (".core.coalesce", "Bucket"),

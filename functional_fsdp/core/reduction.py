@@ -35,6 +35,7 @@ from .records import GroupLayout, ShardedState
 __all__ = [
     "PendingReduce",
     "ReduceInput",
+    "ReducePolicy",
     "accumulate_local_grads",
     "begin_reduce",
     "finish_reduce",
@@ -132,6 +133,43 @@ def _flat_if_contiguous(out: torch.Tensor) -> torch.Tensor:
     return out.view(-1) if out.is_contiguous() else out
 
 
+@attrs.frozen
+class ReducePolicy:
+    """How a group's gradients are reduced: one record, handed whole to every reduction
+    function of the core (the shell builds it once from a group's settings).
+
+    Attributes:
+        divide_factor: divide the summed gradients by this instead of the data-parallel size
+            (FSDP2's ``set_gradient_divide_factor``).
+        force_sum: sum reductions only, dividing locally (``set_force_sum_reduction_for_comms``).
+        all_reduce: under HSDP, all-reduce across the replicas now; ``False`` keeps the
+            reduce-scattered sum in :attr:`ShardedState.partial`, added before the next
+            all-reduce (``set_requires_all_reduce(False)``).
+        reduce_unused: reduce (zeros for) parameters without a gradient too
+            (``set_reduce_scatter_unused_params``).
+        compression: reduce-scatter in a narrow format with error feedback (beyond FSDP2; see
+            :mod:`functional_fsdp.core.compression`); the residual is read from and returned
+            in :attr:`ShardedState.residual`. ``None``: the exact reduce-scatter.
+    """
+
+    divide_factor: float | None = None
+    force_sum: bool = False
+    all_reduce: bool = True
+    reduce_unused: bool = False
+    compression: GradCompression | None = attrs.field(default=None)
+
+    @compression.validator
+    def _check_compression(self, _attr: object, value: object) -> None:
+        if value is not None and not isinstance(value, GradCompression):
+            raise StateError(
+                f"ReducePolicy.compression must be a GradCompression or None, got "
+                f"{type(value).__name__}"
+            )
+
+
+EXACT = ReducePolicy()  # FSDP2's defaults
+
+
 @attrs.frozen(eq=False)
 class PendingReduce:
     """A *handle* (not a record: no pytree, never compared) for a reduce-scatter in flight;
@@ -175,55 +213,35 @@ def begin_reduce(
     comm: Communicator,
     *,
     replicate_comm: Communicator | None = None,
-    divide_factor: float | None = None,
-    force_sum: bool = False,
-    all_reduce: bool = True,
-    reduce_unused: bool = False,
+    policy: ReducePolicy = EXACT,
     async_op: bool = True,
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
-    compression: GradCompression | None = None,
 ) -> PendingReduce:
     """Pack gradients, pre-divide and issue the group's one reduce-scatter
-    (:func:`reduce_input` then :func:`issue_reduce`).
+    (:func:`reduce_input` then :func:`issue_reduce`), as ``policy`` says.
 
     ``alloc(numel, dtype, device)`` makes the output buffer (the new sharded gradients); the
     shell injects one that advises the kernel about the fresh memory. Default: ``torch.empty``.
-    ``compression`` replaces the reduce-scatter by the compressed one of
-    :mod:`functional_fsdp.core.compression` (on more than one rank), with its residual taken from
-    and returned to ``sharded.residual``.
     """
-    rin = reduce_input(
-        grads,
-        sharded,
-        comm,
-        replicate_comm=replicate_comm,
-        divide_factor=divide_factor,
-        force_sum=force_sum,
-        all_reduce=all_reduce,
-        reduce_unused=reduce_unused,
-        compression=compression,
-    )
+    rin = reduce_input(grads, sharded, comm, replicate_comm=replicate_comm, policy=policy)
     return issue_reduce(rin, comm, async_op=async_op, alloc=alloc)
 
 
 def reduce_divide_factors(
-    layout: GroupLayout,
-    replicate_size: int,
-    *,
-    divide_factor: float | None = None,
-    force_sum: bool = False,
+    layout: GroupLayout, replicate_size: int, policy: ReducePolicy = EXACT
 ) -> L.DivideFactors:
     """How ``layout``'s gradients are divided around their reduction over its shard group and
-    ``replicate_size`` replicas (FSDP2's rule, :func:`~.layout.divide_factors`): split into a
-    pre- and post-divide when the reduce dtype has a small range. The eager reduction and the
-    compiled step's reduce-scatter both ask here."""
+    ``replicate_size`` replicas (FSDP2's rule, :func:`~.layout.divide_factors`, with
+    ``policy``'s divide factor and sum-only setting): split into a pre- and post-divide when
+    the reduce dtype has a small range. The eager reduction and the compiled step's
+    reduce-scatter both ask here."""
     rdtype = layout.grad_reduce_dtype()
     return L.divide_factors(
         layout.world_size,
         replicate_size,
         overflow_risk=rdtype not in (torch.float32, torch.bfloat16, torch.float64),
-        factor=divide_factor,
-        force_sum=force_sum,
+        factor=policy.divide_factor,
+        force_sum=policy.force_sum,
     )
 
 
@@ -233,11 +251,7 @@ def reduce_input(
     comm: Communicator,
     *,
     replicate_comm: Communicator | None = None,
-    divide_factor: float | None = None,
-    force_sum: bool = False,
-    all_reduce: bool = True,
-    reduce_unused: bool = False,
-    compression: GradCompression | None = None,
+    policy: ReducePolicy = EXACT,
     out: torch.Tensor | None = None,
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
 ) -> ReduceInput:
@@ -246,21 +260,23 @@ def reduce_input(
     are. No collective is issued. ``out``: where to pack (:func:`pack_grads`; a bucket's
     columns), unused on the pieces path; else ``alloc(numel, dtype, device)`` makes the packed
     buffer (default ``torch.empty``)."""
-    if compression is not None and not isinstance(compression, GradCompression):
+    if not isinstance(policy, ReducePolicy):
         raise StateError(
-            f"compression must be a GradCompression or None, got {type(compression).__name__}"
+            f"policy must be a functional_fsdp.ReducePolicy, got {type(policy).__name__}"
         )
+    compression = policy.compression
     if not isinstance(sharded, ShardedState):
         raise StateError(f"reduce_grad writes into a ShardedState, got {type(sharded).__name__}")
     lay = sharded.layout
     check_comm(comm, lay.world_size, "reduce_grad")
     glist = _grad_list(grads, lay)
     present = tuple(
-        (g is not None) or (reduce_unused and s.requires_grad) for g, s in zip(glist, lay.specs)
+        (g is not None) or (policy.reduce_unused and s.requires_grad)
+        for g, s in zip(glist, lay.specs)
     )
     rdtype = lay.grad_reduce_dtype()
     ar_size = replicate_comm.world_size if replicate_comm is not None else 1
-    factors = reduce_divide_factors(lay, ar_size, divide_factor=divide_factor, force_sum=force_sum)
+    factors = reduce_divide_factors(lay, ar_size, policy)
     # Reduce where the gradients are (the compute device), also when the shards are offloaded
     # to the CPU: the caller moves the reduced shards.
     device = next((g.device for g in glist if g is not None), sharded.flat.device)
@@ -284,7 +300,7 @@ def reduce_input(
         rdtype,
         device,
         replicate_comm,
-        all_reduce,
+        policy.all_reduce,
         compression,
     )
 
@@ -468,17 +484,13 @@ def reduce_grad(
     comm: Communicator,
     *,
     replicate_comm: Communicator | None = None,
-    divide_factor: float | None = None,
-    force_sum: bool = False,
-    all_reduce: bool = True,
-    reduce_unused: bool = False,
+    policy: ReducePolicy = EXACT,
     accumulate: bool = True,
-    compression: GradCompression | None = None,
 ) -> ShardedState:
     """Average full gradients over ranks and keep this rank's shard.
 
     Packs in the reduce dtype, pre-divides, one reduce-scatter over ``comm``, all-reduce over
-    ``replicate_comm`` (HSDP; with ``all_reduce=False`` the result is kept in
+    ``replicate_comm`` (HSDP; with ``policy.all_reduce=False`` the result is kept in
     :attr:`ShardedState.partial` and added before the next all-reduce), post-divides, casts to
     each parameter's dtype and adds to existing grads (``accumulate``).
 
@@ -487,26 +499,12 @@ def reduce_grad(
         sharded: the state to attach gradients to (not mutated).
         comm: the shard group.
         replicate_comm: the replicate group for HSDP, or ``None``.
-        divide_factor: custom divide factor (default: the data-parallel size).
-        force_sum: use sum reductions only.
-        all_reduce: for HSDP, whether to all-reduce now.
-        reduce_unused: reduce (zeros for) parameters without a gradient too.
+        policy: how to reduce (:class:`ReducePolicy`: divide factor, sum-only, HSDP's
+            all-reduce now or later, unused parameters, compression); default FSDP2's.
         accumulate: add to existing sharded grads instead of replacing them.
-        compression: reduce-scatter in a narrow format with error feedback (beyond FSDP2; see
-            :mod:`functional_fsdp.core.compression`); the residual is read from and returned in
-            :attr:`ShardedState.residual`.
     """
     pending = begin_reduce(
-        grads,
-        sharded,
-        comm,
-        replicate_comm=replicate_comm,
-        divide_factor=divide_factor,
-        force_sum=force_sum,
-        all_reduce=all_reduce,
-        reduce_unused=reduce_unused,
-        async_op=False,
-        compression=compression,
+        grads, sharded, comm, replicate_comm=replicate_comm, policy=policy, async_op=False
     )
     return finish_reduce(pending, accumulate=accumulate)
 

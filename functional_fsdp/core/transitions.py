@@ -51,6 +51,7 @@ from .records import (
 from .reduction import (
     PendingReduce,
     ReduceInput,
+    ReducePolicy,
     accumulate_local_grads,
     begin_reduce,
     empty_buffer,
@@ -68,6 +69,7 @@ __all__ = [
     "PendingUnshard",
     "RowShare",
     "ReduceInput",
+    "ReducePolicy",
     "accumulate_local_grads",
     "begin_reduce",
     "begin_unshard",

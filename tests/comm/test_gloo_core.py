@@ -18,6 +18,7 @@ from _dist import World
 
 from functional_fsdp.core.comm import Communicator
 from functional_fsdp.core.transitions import (
+    ReducePolicy,
     begin_unshard,
     post_forward_from_gather,
     reduce_grad,
@@ -98,8 +99,9 @@ def _reduce(comm: Communicator, cases: list[tuple[Any, list[Any], dict, dict]]) 
     for tree, grads, shard_kw, reduce_kw in cases:
         s = shard(tree, world_size=comm.world_size, rank=comm.rank, **shard_kw)
         g = _as_tree(grads[comm.rank], s)
-        once = reduce_grad(g, s, comm, **reduce_kw)
-        twice = reduce_grad(g, once, comm, **reduce_kw)  # accumulates
+        policy = ReducePolicy(**reduce_kw)
+        once = reduce_grad(g, s, comm, policy=policy)
+        twice = reduce_grad(g, once, comm, policy=policy)  # accumulates
         out.append(
             (
                 [once.local_grad(i) for i in range(len(s.layout))],
@@ -120,7 +122,9 @@ def _hsdp(
     s = shard(tree, world_size=shard_comm.world_size, rank=shard_comm.rank)
     a, b = _as_tree(g1[rank], s), _as_tree(g2[rank], s)
     now = reduce_grad(a, s, shard_comm, replicate_comm=replicate_comm)
-    held = reduce_grad(a, s, shard_comm, replicate_comm=replicate_comm, all_reduce=False)
+    held = reduce_grad(
+        a, s, shard_comm, replicate_comm=replicate_comm, policy=ReducePolicy(all_reduce=False)
+    )
     later = reduce_grad(b, held, shard_comm, replicate_comm=replicate_comm)
     n = len(s.layout)
     return (

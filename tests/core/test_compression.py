@@ -31,6 +31,11 @@ REL_STEP = {
 }
 
 
+def _compressed() -> F.ReducePolicy:
+    """The reduction with the default compression (int8 blocks, error feedback)."""
+    return F.ReducePolicy(compression=F.GradCompression())
+
+
 def _tree(seed: int, shapes: list[tuple[int, ...]]) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {f"p{i}": torch.randn(*s, generator=g) for i, s in enumerate(shapes)}
@@ -54,7 +59,9 @@ def _reduce_both(ws: int, shapes: list, policy: F.GradCompression, steps: int = 
         cstate = state
         for g in grads:
             exact.append(F.reduce_grad(g, state, comm, accumulate=False))
-            cstate = F.reduce_grad(g, cstate, comm, accumulate=False, compression=policy)
+            cstate = F.reduce_grad(
+                g, cstate, comm, accumulate=False, policy=F.ReducePolicy(compression=policy)
+            )
             comp.append(cstate)
         return exact, comp, cstate
 
@@ -135,7 +142,7 @@ def test_bytes_on_the_wire(ws: int, dtype) -> None:
     def body(comm: Any) -> tuple[int, int]:
         state = F.shard(full, world_size=ws, rank=comm.rank)
         counting = CountingComm(comm)
-        F.reduce_grad(full, state, counting, compression=policy)
+        F.reduce_grad(full, state, counting, policy=F.ReducePolicy(compression=policy))
         return counting.sent, wire_bytes(state.layout, policy)
 
     for sent, expected in SimulatedWorld(ws).run(body):
@@ -155,9 +162,9 @@ def test_non_finite_gradients_stay_non_finite() -> None:
         bad = torch.ones(8, 4)
         if comm.rank == 0:
             bad[6, 1] = float("inf")  # row 6 belongs to rank 1
-        s1 = F.reduce_grad({"w": bad}, state, comm, compression=F.GradCompression())
+        s1 = F.reduce_grad({"w": bad}, state, comm, policy=_compressed())
         s2 = F.reduce_grad(
-            {"w": torch.ones(8, 4)}, s1, comm, accumulate=False, compression=F.GradCompression()
+            {"w": torch.ones(8, 4)}, s1, comm, accumulate=False, policy=_compressed()
         )
         return s1, s2
 
@@ -202,7 +209,9 @@ def test_bad_input_is_refused_before_any_collective() -> None:
             raise AssertionError(f"a collective ran: {name}")
 
     with pytest.raises(errors.StateError, match="GradCompression"):
-        F.reduce_grad({"w": torch.ones(6, 2)}, state, Silent(), compression="int8")  # type: ignore[arg-type]
+        F.ReducePolicy(compression="int8")  # type: ignore[arg-type]
+    with pytest.raises(errors.StateError, match="ReducePolicy"):
+        F.reduce_grad({"w": torch.ones(6, 2)}, state, Silent(), policy="int8")  # type: ignore[arg-type]
 
 
 def test_hsdp_compresses_the_shard_reduction_only() -> None:
@@ -218,9 +227,7 @@ def test_hsdp_compresses_the_shard_reduction_only() -> None:
         shard_c, rep_c = world.shard_comm(r), world.replicate_comm(r)
         state = F.shard(full, world_size=2, rank=shard_c.rank)
         exact = F.reduce_grad(g, state, shard_c, replicate_comm=rep_c)
-        comp = F.reduce_grad(
-            g, state, shard_c, replicate_comm=rep_c, compression=F.GradCompression()
-        )
+        comp = F.reduce_grad(g, state, shard_c, replicate_comm=rep_c, policy=_compressed())
         return exact.local_grad(0), comp.local_grad(0), comp.residual
 
     for e, c, res in world.run(body, grads):
@@ -459,7 +466,7 @@ def test_a_group_of_only_empty_shards_reduces_compressed(ws: int) -> None:
 
     def body(c: Any) -> Any:
         s = F.shard({"a": torch.randn(0, 3)}, world_size=ws, rank=c.rank)
-        return F.reduce_grad({"a": torch.zeros(0, 3)}, s, c, compression=F.GradCompression())
+        return F.reduce_grad({"a": torch.zeros(0, 3)}, s, c, policy=_compressed())
 
     for out in SimulatedWorld(ws).run(body):
         assert out.grads[0].shape == (0, 3)

@@ -31,6 +31,7 @@ from functional_fsdp.core.errors import (
 )
 from functional_fsdp.core.records import PostForwardState, ShardedState
 from functional_fsdp.core.transitions import (
+    ReducePolicy,
     begin_unshard,
     post_forward_from_gather,
     reduce_grad,
@@ -189,7 +190,9 @@ def test_reduce_grad_custom_divide_factor(tree: Any, ws: int, seed: int, factor:
     f = {"ws": float(ws), "2ws": 2.0 * ws}.get(factor, factor)
     grads = [random_like(tree, seed + r) for r in range(ws)]
     outs = SimulatedWorld(ws).run(
-        lambda c, g: reduce_grad(g, shard(tree, world_size=ws, rank=c.rank), c, divide_factor=f),
+        lambda c, g: reduce_grad(
+            g, shard(tree, world_size=ws, rank=c.rank), c, policy=ReducePolicy(divide_factor=f)
+        ),
         grads,
     )
     scale = ws / (f if f is not None else ws)  # sum / f == mean * ws / f
@@ -206,7 +209,9 @@ def test_reduce_grad_custom_divide_factor(tree: Any, ws: int, seed: int, factor:
 def test_reduce_grad_force_sum_matches_avg(tree: Any, ws: int, seed: int) -> None:
     grads = [random_like(tree, seed + r) for r in range(ws)]
     outs = SimulatedWorld(ws).run(
-        lambda c, g: reduce_grad(g, shard(tree, world_size=ws, rank=c.rank), c, force_sum=True),
+        lambda c, g: reduce_grad(
+            g, shard(tree, world_size=ws, rank=c.rank), c, policy=ReducePolicy(force_sum=True)
+        ),
         grads,
     )
     assert_grads(outs, [mean_of(grads, i) for i in range(len(leaves(tree)))], ws)
@@ -249,7 +254,7 @@ def test_hsdp_reduce_is_the_mean_over_all_ranks(
         sc, rc = world.shard_comm(c.rank), world.replicate_comm(c.rank)
         s0 = shard(tree, world_size=shards, rank=sc.rank)
         now = reduce_grad(g1, s0, sc, replicate_comm=rc)
-        held = reduce_grad(g1, s0, sc, replicate_comm=rc, all_reduce=False)
+        held = reduce_grad(g1, s0, sc, replicate_comm=rc, policy=ReducePolicy(all_reduce=False))
         later = reduce_grad(g2, held, sc, replicate_comm=rc)
         return now, held, later
 
@@ -289,7 +294,7 @@ def test_reduce_grad_skips_missing_grads_unless_reduce_unused() -> None:
     def body(c, g):
         s = shard(tree, world_size=ws, rank=c.rank)
         kept = reduce_grad(g, s, c)
-        unused = reduce_grad(g, s, c, reduce_unused=True)
+        unused = reduce_grad(g, s, c, policy=ReducePolicy(reduce_unused=True))
         again = reduce_grad([None, None], kept, c)  # no grads at all: existing ones are kept
         return kept, unused, again
 
@@ -501,7 +506,9 @@ def test_transitions_carry_every_field_they_do_not_change(
         wb = writeback(attrs.evolve(u, params=tuple(leaves(edited))))
         _assert_carried(s, wb, {"flat"})
         # Without HSDP or compression a reduction changes only the gradients.
-        reduced = reduce_grad(full_grads, attrs.evolve(s, grads=None), c, reduce_unused=True)
+        reduced = reduce_grad(
+            full_grads, attrs.evolve(s, grads=None), c, policy=ReducePolicy(reduce_unused=True)
+        )
         _assert_carried(attrs.evolve(s, grads=None), reduced, {"grads"})
         if s.layout.grad_reduce_dtype() == torch.float32:
             kept = reduce_grad(full_grads, s, c)
@@ -509,7 +516,9 @@ def test_transitions_carry_every_field_they_do_not_change(
         if s.layout.grad_reduce_dtype() == torch.float32:
             # Compression changes the residual too (error feedback), and nothing else (a group
             # of only empty shards included: nothing goes on the wire).
-            squeezed = reduce_grad(full_grads, s, c, compression=GradCompression())
+            squeezed = reduce_grad(
+                full_grads, s, c, policy=ReducePolicy(compression=GradCompression())
+            )
             _assert_carried(s, squeezed, {"grads", "residual"})
 
     SimulatedWorld(ws).run(body)
@@ -529,7 +538,13 @@ def test_hsdp_reduction_carries_every_field_but_grads_and_partial(
     def body(c):
         shard_comm, rep_comm = world.shard_comm(c.rank), world.replicate_comm(c.rank)
         s = _with_every_field(shard(tree, world_size=ws, rank=shard_comm.rank), seed, has)
-        held = reduce_grad(full_grads, s, shard_comm, replicate_comm=rep_comm, all_reduce=False)
+        held = reduce_grad(
+            full_grads,
+            s,
+            shard_comm,
+            replicate_comm=rep_comm,
+            policy=ReducePolicy(all_reduce=False),
+        )
         _assert_carried(s, held, {"partial"})
         done = reduce_grad(full_grads, held, shard_comm, replicate_comm=rep_comm)
         _assert_carried(held, done, {"grads", "partial"})

@@ -32,6 +32,7 @@ from functional_fsdp.core.errors import (
 )
 from functional_fsdp.core.records import PostForwardState, ShardedState, UnshardedState
 from functional_fsdp.core.transitions import (
+    ReducePolicy,
     begin_unshard,
     finish_unshard,
     reduce_grad,
@@ -215,7 +216,7 @@ def _case_reduce_grad_partial(c, ctx):
     s, _ = _prepared(c, ctx)
     g = ctx.grads[c.rank]
     rc = ctx.world.replicate_comm(c.rank)
-    held = reduce_grad(g, s, c, replicate_comm=rc, all_reduce=False)
+    held = reduce_grad(g, s, c, replicate_comm=rc, policy=ReducePolicy(all_reduce=False))
     return (g, held), lambda: reduce_grad(g, held, c, replicate_comm=rc)
 
 

@@ -281,12 +281,7 @@ def _group_traces(model: nn.Module, where: str, reduce: str = "scatter") -> list
             )
         params = [getattr(m, attr) for m, attr in (h[0] for h in g.holders)]
         hsdp = g.mesh.ndim == 2
-        df = reduce_divide_factors(
-            g.layout,
-            g.mesh.size(0) if hsdp else 1,
-            divide_factor=g.config.divide_factor,
-            force_sum=g.config.force_sum,
-        )
+        df = reduce_divide_factors(g.layout, g.mesh.size(0) if hsdp else 1, g.reduce_policy())
         traces.append(
             _GroupTrace(
                 tuple(names[id(p)] for p in params),

@@ -29,6 +29,7 @@ from ...core.comm import Communicator, coalesces, uses_pieces
 from ...core.compression import GradCompression
 from ...core.plan import ReduceFacts, reduces_together
 from ...core.records import GroupLayout, ShardedState
+from ...core.reduction import ReducePolicy
 from ...core.reproducible import PendingTreeReduce
 from ..comm.custom import with_all_reduce_hook
 from ..comm.process_group import ProcessGroupComm
@@ -69,7 +70,7 @@ class GroupGradients:
     _requires_grad: tuple[bool, ...]
     _advise: Callable[[torch.Tensor], None]
     tp: Any  # the TensorParallelPlan, or None
-    _decided: dict[Any, bool]  # the plan's answers under the current settings
+    _decided: dict[Any, Any]  # the plan's answers (and the reduce policy) under the settings
     # ... and the methods it calls
     configure: Callable[..., None]
     base_comms: Callable[[], list[ProcessGroupComm]]
@@ -194,18 +195,18 @@ class GroupGradients:
         """Issue the reduce-scatter of ``grads`` into ``sharded`` with this group's settings
         (the copy-in on compute, the collective on the reduce-scatter stream: :mod:`.ordering`)."""
         cfg = self.config
-        settings = self._reduce_settings()
-        if all_reduce is not None:
-            settings["all_reduce"] = all_reduce
+        policy = self.reduce_policy()
+        if all_reduce is not None and all_reduce != policy.all_reduce:
+            policy = attrs.evolve(policy, all_reduce=all_reduce)
         pending = ordering.issue_reduce(
             self.runtime,
             grads,
             sharded,
             self.comm,
+            replicate_comm=self.replicate_comm,
+            policy=policy,
             async_op=async_op,
             alloc=self.alloc_advised,
-            compression=cfg.grad_compression,
-            **settings,
         )
         if cfg.all_reduce_hook is None:
             return pending
@@ -239,19 +240,29 @@ class GroupGradients:
         """This group's reduction copy-in (packed, pre-divided, on compute), for a bucket;
         ``out``: its columns of the bucket's send buffer."""
         return ordering.reduce_copy_in(
-            self.runtime, grads, self.state, self.comm, out=out, **self._reduce_settings()
+            self.runtime,
+            grads,
+            self.state,
+            self.comm,
+            replicate_comm=self.replicate_comm,
+            policy=self.reduce_policy(),
+            out=out,
         )
 
-    def _reduce_settings(self) -> dict[str, Any]:
-        """The core's reduction keywords from this group's settings (every reduction's)."""
-        cfg = self.config
-        return {
-            "replicate_comm": self.replicate_comm,
-            "divide_factor": cfg.divide_factor,
-            "force_sum": cfg.force_sum,
-            "all_reduce": cfg.requires_all_reduce,
-            "reduce_unused": cfg.reduce_unused,
-        }
+    def reduce_policy(self) -> ReducePolicy:
+        """The core's :class:`~functional_fsdp.core.reduction.ReducePolicy` from this group's
+        settings (every reduction's; built once per settings, as the plan's answers)."""
+        known = self._decided.get("policy")
+        if known is None:
+            cfg = self.config
+            known = self._decided["policy"] = ReducePolicy(
+                divide_factor=cfg.divide_factor,
+                force_sum=cfg.force_sum,
+                all_reduce=cfg.requires_all_reduce,
+                reduce_unused=cfg.reduce_unused,
+                compression=cfg.grad_compression,
+            )
+        return known
 
     def join_reduce_bucket(self, bucket: ReduceBucket | None) -> None:
         """Reduce in ``bucket`` (a :class:`~.coalesced.ReduceBucket`) from now on, when

@@ -164,7 +164,7 @@ class ParamGroup(GroupGradients, GroupLending):
         # advance's answers under _lc, and the plan's sharing answers (caches of pure
         # functions, cleared by _settings_changed).
         self._transitions: dict[tuple[Any, ...], tuple[Phase, tuple[Act, ...]]] = {}
-        self._decided: dict[Any, bool] = {}
+        self._decided: dict[Any, Any] = {}
         self._abandoned = AbandonedWork()  # in-flight work a failed step left, until it lands
         # fully_shard([m1, m2]): the modules sharing this group.
         self.forward_users = forward_users

@@ -312,13 +312,14 @@ def issue_reduce(
     sharded: ShardedState,
     comm: Communicator,
     *,
+    replicate_comm: Communicator | None,
+    policy: T.ReducePolicy,
     async_op: bool,
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor],
-    **settings: Any,
 ) -> T.PendingReduce:
     """The copy-in on compute (:func:`reduce_copy_in`), then the reduce-scatter on its
-    stream (``settings``: the core's reduction keywords)."""
-    rin = reduce_copy_in(rt, grads, sharded, comm, **settings)
+    stream, as ``policy`` says."""
+    rin = reduce_copy_in(rt, grads, sharded, comm, replicate_comm=replicate_comm, policy=policy)
     present = [g for g in grads if g is not None] if rt.checks else []
     rs = rt.side_stream("reduce_scatter")
     reduce_after_compute(rt)
@@ -341,16 +342,28 @@ def reduce_copy_in(
     grads: Sequence[torch.Tensor | None],
     sharded: ShardedState,
     comm: Communicator,
-    **settings: Any,
+    *,
+    replicate_comm: Communicator | None,
+    policy: T.ReducePolicy,
+    out: torch.Tensor | None = None,
 ) -> T.ReduceInput:
     """A reduction's copy-in on compute, where backward made the gradients
-    (:func:`~functional_fsdp.core.transitions.reduce_input`: pack, cast, pre-divide)."""
+    (:func:`~functional_fsdp.core.transitions.reduce_input`: pack, cast, pre-divide; into
+    ``out`` when given, a bucket's columns)."""
     c = rt.compute
     present = [g for g in grads if g is not None] if rt.checks else []
     if rt.checks:  # backward made the gradients on compute
         rt.access(c, "backward (the gradients)", writes=present)
     with rt.use(c):
-        rin = T.reduce_input(grads, sharded, comm, alloc=rt.empty, **settings)
+        rin = T.reduce_input(
+            grads,
+            sharded,
+            comm,
+            replicate_comm=replicate_comm,
+            policy=policy,
+            out=out,
+            alloc=rt.empty,
+        )
         if rt.checks:
             packed = [rin.packed] if rin.packed is not None else []
             rt.access(c, "reduce-scatter copy-in", reads=present, writes=packed)
