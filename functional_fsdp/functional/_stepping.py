@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -16,7 +16,14 @@ from ..core.errors import StepInputError, UnsupportedError
 from ..core.reproducible import ReproduciblePolicy
 from ..shell import DeferredReductions, TreeReductions
 
-__all__ = ["Accumulated", "accumulate_grads", "add_micro_grads", "detached"]
+__all__ = [
+    "Accumulated",
+    "accumulate_grads",
+    "add_micro_grads",
+    "detached",
+    "dp_size",
+    "tree_grads",
+]
 
 
 @attrs.frozen(eq=False)
@@ -152,6 +159,20 @@ def add_micro_grads(
     return acc
 
 
+def dp_size(params: Iterable[Any]) -> int:
+    """The data-parallel world size of ``params`` (their first DTensor's mesh; 1 without)."""
+    mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+    return 1 if mesh is None else mesh.size()
+
+
+def tree_grads(tree: TreeReductions, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Reduce every group of ``tree`` once; the local gradients of ``inputs`` (zeros where a
+    parameter got none)."""
+    reduced = tree.finish()
+    got = [reduced.get(id(x)) for x in inputs]
+    return [g if g is not None else torch.zeros_like(_local(x)) for g, x in zip(got, inputs)]
+
+
 def accumulate_grads(
     model: nn.Module,
     loss_fn: Any,
@@ -192,8 +213,6 @@ def accumulate_grads(
             continue  # the gradients are in the tree
         acc = add_micro_grads(acc, grads, inputs)
     if tree is not None:
-        reduced = tree.finish()
-        acc = [reduced.get(id(x), None) for x in inputs]
-        acc = [g if g is not None else torch.zeros_like(_local(x)) for g, x in zip(acc, inputs)]
+        acc = tree_grads(tree, inputs)
     assert acc is not None
     return Accumulated(acc, loss_sum, auxes)

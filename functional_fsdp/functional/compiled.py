@@ -26,7 +26,16 @@ from ..core.errors import ArgumentTypeError, UnsupportedError
 from ..core.overlap import GraphNode, NodeKind, overlap_order
 from ..core.reproducible import ReproduciblePolicy
 from ..shell import TracedModel, TreeReductions
-from ._stepping import Accumulated, _local, _loss_and_aux, add_micro_grads, detached, split_batch
+from ._stepping import (
+    Accumulated,
+    _local,
+    _loss_and_aux,
+    add_micro_grads,
+    detached,
+    dp_size,
+    split_batch,
+    tree_grads,
+)
 
 __all__ = ["CompileReport", "CompiledGrads", "compile_backward"]
 
@@ -85,7 +94,9 @@ class CompiledGrads:
         reduce = "scatter"
         if reproducible is not None:  # one micro-batch per rank: the whole tree in the graph
             reduce = (
-                "tree" if reproducible.micro_batches_per_rank(_dp_size(model)) == 1 else "outside"
+                "tree"
+                if reproducible.micro_batches_per_rank(dp_size(model.parameters())) == 1
+                else "outside"
             )
         traced = TracedModel(model, loss_fn, reduce=reduce, where=where)
         self._traced = traced
@@ -277,15 +288,7 @@ class _Tree:
 
     def finish(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Reduce every group once; the local gradients of ``inputs`` (zeros where none)."""
-        reduced = self.tree.finish()
-        got = [reduced.get(id(x)) for x in inputs]
-        return [g if g is not None else torch.zeros_like(x) for g, x in zip(got, inputs)]
-
-
-def _dp_size(model: nn.Module) -> int:
-    """The data-parallel world size of ``model``'s parameters (1 without a mesh)."""
-    mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
-    return 1 if mesh is None else mesh.size()
+        return tree_grads(self.tree, inputs)
 
 
 _C10D = "_c10d_functional."

@@ -47,7 +47,7 @@ from ..core.errors import (
 from ..core.reproducible import ReproduciblePolicy
 from ..shell import FSDPModule
 from ._pytrees import register_everywhere
-from ._stepping import Accumulated, accumulate_grads
+from ._stepping import Accumulated, accumulate_grads, dp_size
 from .norms import StepNorms
 from .optim import Optimizer
 from .transforms import (
@@ -337,8 +337,7 @@ def _reproducible(
         raise ArgumentTypeError(
             f"reproducible must be a functional_fsdp.ReproduciblePolicy, got {type(policy).__name__}"
         )
-    mesh = next((p.device_mesh for p in params.values() if isinstance(p, DTensor)), None)
-    per_rank = policy.micro_batches_per_rank(1 if mesh is None else mesh.size())
+    per_rank = policy.micro_batches_per_rank(dp_size(params.values()))
     if grad_accum != per_rank:
         raise ReproducibilityError(
             f"make_train_step: grad_accum={grad_accum}, but ReproduciblePolicy("
