@@ -41,6 +41,8 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "writeback": (".core.transitions", "writeback"),
     "reduce_grad": (".core.transitions", "reduce_grad"),
     "ReducePolicy": (".core.reduction", "ReducePolicy"),
+    "ReduceState": (".core.reduction", "ReduceState"),
+    "reduce_grad_with_state": (".core.reduction", "reduce_grad_with_state"),
     "ReproduciblePolicy": (".core.reproducible", "ReproduciblePolicy"),
     "Redundancy": (".core.recovery", "Redundancy"),
     "Bucket": (".core.coalesce", "Bucket"),

@@ -491,7 +491,7 @@ def issue_reduce_coalesced(
                 r.present,
                 r.replicate_comm,
                 r.all_reduce,
-                r.sharded.residual,
+                r.reduce_state,
                 send,
             )
         )

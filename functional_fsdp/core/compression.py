@@ -15,8 +15,9 @@ format, the way DeepSpeed ZeRO++'s quantized gradients (qgZ) do:
 
 Error feedback: what encoding dropped (``x - decode(encode(x))``) becomes the residual, added
 to the next reduction's input, so the error does not accumulate over steps (the residual is
-:attr:`~functional_fsdp.core.records.ShardedState.residual`: a value in the state, never hidden in
-the shell). It costs one fp32 buffer of the group's unsharded gradient size per rank.
+:attr:`~functional_fsdp.core.reduction.ReduceState.residual`: a value threaded beside the
+sharded state, never hidden in the shell). It costs one fp32 buffer of the group's unsharded
+gradient size per rank.
 
 A non-finite gradient stays non-finite: a block holding ``inf``/``nan`` decodes as ``nan`` (a
 gradient scaler still sees it), and that block's residual restarts at zero.
@@ -57,7 +58,7 @@ def _check_block(_inst: object, _attr: object, value: int) -> None:
 @attrs.frozen
 class GradCompression:
     """Opt-in lossy gradient reduction (``FSDPModule.set_gradient_compression``,
-    ``reduce_grad(..., compression=...)``).
+    ``ReducePolicy(compression=...)`` with :func:`~functional_fsdp.core.reduction.reduce_grad_with_state`).
 
     Attributes:
         dtype: the wire format of the gradient rows: ``torch.int8`` (default) or

@@ -292,19 +292,16 @@ class ShardedState:
         flat: 1-D packed buffer of the padded shards in original dtypes (``layout.storage``).
         grads: padded sharded gradients per parameter (``None`` entries for no gradient), or
             ``None`` when the group has no gradients.
-        partial: HSDP reduce-scattered gradients not yet all-reduced across replicas
-            (``set_requires_all_reduce(False)``), in the reduce dtype; ``None`` otherwise.
-        residual: the error feedback of compressed gradient reduction
-            (:class:`~functional_fsdp.core.compression.GradCompression`): what encoding dropped
-            last time, fp32, the group's padded unsharded gradient size; ``None`` otherwise.
+
+    What a reduction carries from one backward to the next (a compression residual, an HSDP
+    partial sum) is not here: it is the reducers' own state,
+    :class:`~functional_fsdp.core.reduction.ReduceState`, threaded beside this record.
     """
 
     layout: GroupLayout = attrs.field(metadata=STATIC)
     rank: int = attrs.field(metadata=STATIC)
     flat: torch.Tensor
     grads: tuple[torch.Tensor | None, ...] | None = None
-    partial: torch.Tensor | None = None
-    residual: torch.Tensor | None = None
 
     def __attrs_post_init__(self) -> None:
         lay = self.layout
@@ -323,14 +320,6 @@ class ShardedState:
                     raise LayoutMismatchError(
                         f"sharded grad of {s.fqn!r} has shape {tuple(g.shape)}, expected padded {shape}"
                     )
-        if self.residual is not None:
-            numel = lay.world_size * lay.shard_numel
-            if self.residual.dtype != torch.float32 or tuple(self.residual.shape) != (numel,):
-                raise LayoutMismatchError(
-                    f"ShardedState.residual must be an fp32 vector of {numel} elements (the "
-                    f"group's padded unsharded gradient), got {self.residual.dtype} "
-                    f"{tuple(self.residual.shape)}"
-                )
 
     def shard(self, i: int) -> torch.Tensor:
         """Padded shard of parameter ``i`` (a view into :attr:`flat`)."""

@@ -2,7 +2,11 @@
 
 ``reduce_grad(grads, sharded, comm) -> sharded`` averages full gradients over the ranks and
 keeps this rank's shard, as FSDP2 does: pack in the reduce dtype, pre-divide, one
-reduce-scatter, HSDP all-reduce (or a kept partial sum), post-divide, cast, accumulate.
+reduce-scatter, HSDP all-reduce, post-divide, cast, accumulate. How is one record,
+:class:`ReducePolicy`. A reduction whose policy keeps state from one backward to the next
+(compression's error feedback, HSDP's partial sum) threads that state beside the sharded
+state, as an optimizer's state sits beside the parameters: :class:`ReduceState`, in and out of
+:func:`reduce_grad_with_state` (and of :func:`reduce_input` / :func:`finish_reduce`).
 :func:`begin_reduce` / :func:`finish_reduce` split it around the collective so a caller can
 overlap it with compute; :func:`begin_reduce` is :func:`reduce_input` (the copy-in) then
 :func:`issue_reduce` (the collective), for a caller that runs them on different streams.
@@ -19,6 +23,7 @@ import optree
 import torch
 
 from . import layout as L
+from ._tree import register
 from .comm import (
     Communicator,
     DoneWork,
@@ -36,14 +41,18 @@ __all__ = [
     "PendingReduce",
     "ReduceInput",
     "ReducePolicy",
+    "ReduceState",
     "accumulate_local_grads",
     "begin_reduce",
     "finish_reduce",
+    "hold_unsynced",
     "issue_reduce",
     "pack_grads",
     "reduce_divide_factors",
     "reduce_grad",
+    "reduce_grad_with_state",
     "reduce_input",
+    "release_unsynced",
     "split_reduced",
 ]
 
@@ -143,13 +152,14 @@ class ReducePolicy:
             (FSDP2's ``set_gradient_divide_factor``).
         force_sum: sum reductions only, dividing locally (``set_force_sum_reduction_for_comms``).
         all_reduce: under HSDP, all-reduce across the replicas now; ``False`` keeps the
-            reduce-scattered sum in :attr:`ShardedState.partial`, added before the next
+            reduce-scattered sum in :attr:`ReduceState.partial`, added before the next
             all-reduce (``set_requires_all_reduce(False)``).
         reduce_unused: reduce (zeros for) parameters without a gradient too
             (``set_reduce_scatter_unused_params``).
         compression: reduce-scatter in a narrow format with error feedback (beyond FSDP2; see
-            :mod:`functional_fsdp.core.compression`); the residual is read from and returned
-            in :attr:`ShardedState.residual`. ``None``: the exact reduce-scatter.
+            :mod:`functional_fsdp.core.compression`); with error feedback the residual is
+            read from and returned in :attr:`ReduceState.residual`. ``None``: the exact
+            reduce-scatter.
     """
 
     divide_factor: float | None = None
@@ -166,14 +176,111 @@ class ReducePolicy:
                 f"{type(value).__name__}"
             )
 
+    def keeps_state(self, replicated: bool) -> bool:
+        """Whether a reduction under this policy hands state to the next one (so it must be
+        run by :func:`reduce_grad_with_state`): compression with error feedback, or HSDP
+        (``replicated``) without the all-reduce."""
+        feedback = self.compression is not None and self.compression.error_feedback
+        return feedback or (replicated and not self.all_reduce)
+
 
 EXACT = ReducePolicy()  # FSDP2's defaults
+
+
+@register
+@attrs.frozen(eq=False)
+class ReduceState:
+    """What a group's gradient reduction carries from one backward to the next: the state of
+    each reducer that keeps any, threaded beside the sharded state (as an optimizer's state
+    sits beside the parameters), never inside it. FSDP2's exact reduction with gradient sync
+    on keeps none: every field ``None``. A pytree record (its tensors are leaves).
+
+    Attributes:
+        residual: compression's error feedback (:attr:`ReducePolicy.compression` with
+            ``error_feedback``): what encoding dropped last time, fp32, the group's padded
+            unsharded gradient size (``world_size * shard_numel``); ``None`` before the first
+            compressed reduction.
+        partial: HSDP's reduce-scattered sum not yet all-reduced across the replicas
+            (:attr:`ReducePolicy.all_reduce` ``False``), in the reduce dtype; added before the
+            next all-reduce.
+        unsynced: full gradients held while gradient sync is off (FSDP2's
+            ``set_requires_gradient_sync(False)``), one per parameter (``None``: none yet), in
+            the reduce dtype: :func:`hold_unsynced` adds to them, :func:`release_unsynced`
+            hands them to the next reduction.
+    """
+
+    residual: torch.Tensor | None = None
+    partial: torch.Tensor | None = None
+    unsynced: tuple[torch.Tensor | None, ...] | None = None
+
+    def check(self, layout: GroupLayout) -> None:
+        """Refuse a state that does not belong to ``layout`` (a residual of another size)."""
+        if self.residual is not None:
+            numel = layout.world_size * layout.shard_numel
+            if self.residual.dtype != torch.float32 or tuple(self.residual.shape) != (numel,):
+                raise LayoutMismatchError(
+                    f"ReduceState.residual must be an fp32 vector of {numel} elements (the "
+                    f"group's padded unsharded gradient), got {self.residual.dtype} "
+                    f"{tuple(self.residual.shape)}; start from ReduceState() after the layout "
+                    "changes"
+                )
+        if self.unsynced is not None and len(self.unsynced) != len(layout):
+            raise LayoutMismatchError(
+                f"ReduceState.unsynced holds {len(self.unsynced)} gradients for "
+                f"{len(layout)} parameters; start from ReduceState() after the layout changes"
+            )
+        if self.partial is not None and self.partial.numel() != layout.shard_numel:
+            raise LayoutMismatchError(
+                f"ReduceState.partial must hold {layout.shard_numel} elements (one padded "
+                f"shard), got {self.partial.numel()}; start from ReduceState() after the "
+                "layout changes"
+            )
+
+
+NO_REDUCE_STATE = ReduceState()
+
+
+def hold_unsynced(
+    reduce_state: ReduceState, grads: Sequence[torch.Tensor | None], layout: GroupLayout
+) -> ReduceState:
+    """Gradient sync off: keep this backward's full gradients (``None`` for none) instead of
+    reducing them, added to those already held, in the reduce dtype. The held tensors are
+    *donated*: the sum is written into them (a first gradient is copied, never aliased)."""
+    if len(grads) != len(layout):
+        raise LayoutMismatchError(
+            f"hold_unsynced: {len(grads)} gradients for {len(layout)} parameters"
+        )
+    rdtype = layout.grad_reduce_dtype()
+    held = reduce_state.unsynced or (None,) * len(grads)
+    new = tuple(
+        a if g is None else (g.to(rdtype, copy=True) if a is None else a.add_(g))
+        for a, g in zip(held, grads)
+    )
+    return attrs.evolve(reduce_state, unsynced=new)
+
+
+def release_unsynced(
+    reduce_state: ReduceState, grads: Sequence[torch.Tensor | None]
+) -> tuple[list[torch.Tensor | None], ReduceState]:
+    """Gradient sync on again: this backward's full gradients plus the held ones (the held
+    tensors *donated*: the sums are written into them), and the state without them. Nothing
+    held: ``grads`` as they are."""
+    held = reduce_state.unsynced
+    if held is None:
+        return list(grads), reduce_state
+    if len(held) != len(grads):
+        raise LayoutMismatchError(
+            f"release_unsynced: {len(grads)} gradients for {len(held)} held ones"
+        )
+    merged = [a if g is None else (g if a is None else a.add_(g)) for a, g in zip(held, grads)]
+    return merged, attrs.evolve(reduce_state, unsynced=None)
 
 
 @attrs.frozen(eq=False)
 class PendingReduce:
     """A *handle* (not a record: no pytree, never compared) for a reduce-scatter in flight;
-    :func:`finish_reduce` turns it into a new sharded state. Its output buffer (and ``input``,
+    :func:`finish_reduce` turns it into a new sharded state and reduction state (the one it
+    started from, ``reduce_state``, with a new residual). Its output buffer (and ``input``,
     the packed reduce-scatter input, ``None`` on the pieces path) is owned by the collective
     until ``work.wait()``; then ``input`` is the caller's to free."""
 
@@ -184,7 +291,7 @@ class PendingReduce:
     present: tuple[bool, ...]
     replicate_comm: Communicator | None
     all_reduce: bool
-    residual: torch.Tensor | None = None
+    reduce_state: ReduceState = NO_REDUCE_STATE
     input: torch.Tensor | None = None
 
 
@@ -193,7 +300,8 @@ class ReduceInput:
     """A *handle*: a reduction's copy-in (:func:`reduce_input`), ready for
     :func:`issue_reduce` (a caller may run the two on different streams). ``packed`` is the
     reduce-scatter input (cast, padded, pre-divided: a new buffer), or ``None`` on the pieces
-    path, which sends each rank its rows straight from ``grads``."""
+    path, which sends each rank its rows straight from ``grads``. ``reduce_state``: the state
+    the reduction starts from."""
 
     sharded: ShardedState
     grads: tuple[torch.Tensor | None, ...]
@@ -205,6 +313,7 @@ class ReduceInput:
     replicate_comm: Communicator | None
     all_reduce: bool
     compression: GradCompression | None
+    reduce_state: ReduceState = NO_REDUCE_STATE
 
 
 def begin_reduce(
@@ -214,16 +323,25 @@ def begin_reduce(
     *,
     replicate_comm: Communicator | None = None,
     policy: ReducePolicy = EXACT,
+    reduce_state: ReduceState = NO_REDUCE_STATE,
     async_op: bool = True,
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
 ) -> PendingReduce:
     """Pack gradients, pre-divide and issue the group's one reduce-scatter
-    (:func:`reduce_input` then :func:`issue_reduce`), as ``policy`` says.
+    (:func:`reduce_input` then :func:`issue_reduce`), as ``policy`` says, from
+    ``reduce_state``.
 
     ``alloc(numel, dtype, device)`` makes the output buffer (the new sharded gradients); the
     shell injects one that advises the kernel about the fresh memory. Default: ``torch.empty``.
     """
-    rin = reduce_input(grads, sharded, comm, replicate_comm=replicate_comm, policy=policy)
+    rin = reduce_input(
+        grads,
+        sharded,
+        comm,
+        replicate_comm=replicate_comm,
+        policy=policy,
+        reduce_state=reduce_state,
+    )
     return issue_reduce(rin, comm, async_op=async_op, alloc=alloc)
 
 
@@ -252,12 +370,14 @@ def reduce_input(
     *,
     replicate_comm: Communicator | None = None,
     policy: ReducePolicy = EXACT,
+    reduce_state: ReduceState = NO_REDUCE_STATE,
     out: torch.Tensor | None = None,
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
 ) -> ReduceInput:
     """The first half of :func:`begin_reduce`: check, choose the path, and pack the gradients
     (cast to the reduce dtype, padded, pre-divided) unless the pieces path sends them as they
-    are. No collective is issued. ``out``: where to pack (:func:`pack_grads`; a bucket's
+    are. No collective is issued. ``reduce_state``: what the previous reduction of this group
+    handed on (:class:`ReduceState`). ``out``: where to pack (:func:`pack_grads`; a bucket's
     columns), unused on the pieces path; else ``alloc(numel, dtype, device)`` makes the packed
     buffer (default ``torch.empty``)."""
     if not isinstance(policy, ReducePolicy):
@@ -268,6 +388,13 @@ def reduce_input(
     if not isinstance(sharded, ShardedState):
         raise StateError(f"reduce_grad writes into a ShardedState, got {type(sharded).__name__}")
     lay = sharded.layout
+    if reduce_state is not NO_REDUCE_STATE:
+        if not isinstance(reduce_state, ReduceState):
+            raise StateError(
+                f"reduce_state must be a functional_fsdp.ReduceState, got "
+                f"{type(reduce_state).__name__}"
+            )
+        reduce_state.check(lay)
     check_comm(comm, lay.world_size, "reduce_grad")
     glist = _grad_list(grads, lay)
     present = tuple(
@@ -302,6 +429,7 @@ def reduce_input(
         replicate_comm,
         policy.all_reduce,
         compression,
+        reduce_state,
     )
 
 
@@ -314,7 +442,7 @@ def issue_reduce(
 ) -> PendingReduce:
     """The second half of :func:`begin_reduce`: issue the reduce-scatter of ``rin`` (made by
     :func:`reduce_input` with the same ``comm``) into a new output buffer."""
-    sharded, factors = rin.sharded, rin.factors
+    sharded, factors, state = rin.sharded, rin.factors, rin.reduce_state
     if rin.packed is None:
         out, work = _reduce_pieces(
             rin.grads,
@@ -326,11 +454,19 @@ def issue_reduce(
             alloc,
             async_op,
         )
-        residual = sharded.residual
     else:
         out, work, residual = _reduce_packed(
-            rin.packed, sharded, comm, factors, alloc or empty_buffer, async_op, rin.compression
+            rin.packed,
+            sharded,
+            comm,
+            factors,
+            alloc or empty_buffer,
+            async_op,
+            rin.compression,
+            state.residual,
         )
+        if residual is not state.residual:
+            state = attrs.evolve(state, residual=residual)
     return PendingReduce(
         sharded,
         out,
@@ -339,7 +475,7 @@ def issue_reduce(
         rin.present,
         rin.replicate_comm,
         rin.all_reduce,
-        residual,
+        state,
         None if out is rin.packed else rin.packed,  # an output is never freed as an input
     )
 
@@ -375,14 +511,15 @@ def _reduce_packed(
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor],
     async_op: bool,
     compression: GradCompression | None,
+    residual: torch.Tensor | None,
 ) -> tuple[torch.Tensor, Work, torch.Tensor | None]:
     """Issue the reduce-scatter of the packed input (compressed on more than one rank when
-    ``compression`` is set): output buffer, work, new residual."""
+    ``compression`` is set, from ``residual``): output buffer, work, new residual."""
     lay = sharded.layout
     if compression is not None and lay.world_size > 1:
         return begin_compressed_reduce(
             inp,
-            sharded.residual,
+            residual,
             comm,
             compression,
             op=factors.op,
@@ -392,7 +529,7 @@ def _reduce_packed(
     if lay.world_size == 1:
         # One rank: the packed input is the reduction. It becomes the output (the caller must
         # not free it as an input: issue_reduce hands it over as the output only).
-        return inp, DoneWork(), sharded.residual
+        return inp, DoneWork(), residual
     out = alloc(inp.numel() // lay.world_size, inp.dtype, inp.device)
     work = collective_or_copy(
         lay.world_size,
@@ -400,27 +537,33 @@ def _reduce_packed(
         inp,
         lambda: comm.reduce_scatter(out, inp, op=factors.op, async_op=async_op),
     )
-    return out, work, sharded.residual
+    return out, work, residual
 
 
-def finish_reduce(pending: PendingReduce, *, accumulate: bool = True) -> ShardedState:
-    """Wait; HSDP all-reduce; post-divide; split per parameter; cast; add to existing grads."""
+def finish_reduce(
+    pending: PendingReduce, *, accumulate: bool = True
+) -> tuple[ShardedState, ReduceState]:
+    """Wait; HSDP all-reduce (or keep the partial sum); post-divide; split per parameter;
+    cast; add to existing grads. Returns the new sharded state and the :class:`ReduceState`
+    to hand the next reduction."""
     pending.work.wait()
     sharded, out, factors = pending.sharded, pending.output, pending.factors
+    state = pending.reduce_state
     # Only an HSDP reduction consumes (adds, then clears) the partial sum; without a replicate
-    # group it is carried over like every other field this reduction does not touch.
-    partial = sharded.partial if pending.replicate_comm is None else None
+    # group it is carried over as it is.
     if pending.replicate_comm is not None:
-        if sharded.partial is not None:
-            out = out + sharded.partial
+        if state.partial is not None:
+            out = out + state.partial
         if not pending.all_reduce:
-            return attrs.evolve(sharded, partial=out, residual=pending.residual)
+            return sharded, attrs.evolve(state, partial=out)
+        if state.partial is not None:
+            state = attrs.evolve(state, partial=None)
         if pending.replicate_comm.world_size > 1:
             pending.replicate_comm.all_reduce(out, op=factors.all_reduce_op).wait()
     if factors.post is not None and factors.post != 1:
         out = out / factors.post
     grads = split_reduced(sharded, out, pending.present, accumulate=accumulate)
-    return attrs.evolve(sharded, grads=grads, partial=partial, residual=pending.residual)
+    return attrs.evolve(sharded, grads=grads), state
 
 
 def split_reduced(
@@ -490,9 +633,10 @@ def reduce_grad(
     """Average full gradients over ranks and keep this rank's shard.
 
     Packs in the reduce dtype, pre-divides, one reduce-scatter over ``comm``, all-reduce over
-    ``replicate_comm`` (HSDP; with ``policy.all_reduce=False`` the result is kept in
-    :attr:`ShardedState.partial` and added before the next all-reduce), post-divides, casts to
-    each parameter's dtype and adds to existing grads (``accumulate``).
+    ``replicate_comm`` (HSDP), post-divides, casts to each parameter's dtype and adds to
+    existing grads (``accumulate``). A policy that keeps state between reductions
+    (:meth:`ReducePolicy.keeps_state`: compression with error feedback, HSDP without the
+    all-reduce) is refused here: run it with :func:`reduce_grad_with_state`.
 
     Args:
         grads: full gradients in layout order (or in the layout's pytree); ``None`` = no grad.
@@ -503,8 +647,51 @@ def reduce_grad(
             all-reduce now or later, unused parameters, compression); default FSDP2's.
         accumulate: add to existing sharded grads instead of replacing them.
     """
+    if isinstance(policy, ReducePolicy) and policy.keeps_state(replicate_comm is not None):
+        what = (
+            "compression with error feedback keeps a residual"
+            if policy.compression is not None and policy.compression.error_feedback
+            else "HSDP without the all-reduce (all_reduce=False) keeps a partial sum"
+        )
+        raise StateError(
+            f"reduce_grad: {what} for the next reduction, which reduce_grad would drop; call "
+            "reduce_grad_with_state(grads, sharded, reduce_state, comm, ...) and thread the "
+            "ReduceState it returns (start from ReduceState())"
+        )
+    return reduce_grad_with_state(
+        grads,
+        sharded,
+        NO_REDUCE_STATE,
+        comm,
+        replicate_comm=replicate_comm,
+        policy=policy,
+        accumulate=accumulate,
+    )[0]
+
+
+def reduce_grad_with_state(
+    grads: Any,
+    sharded: ShardedState,
+    reduce_state: ReduceState,
+    comm: Communicator,
+    *,
+    replicate_comm: Communicator | None = None,
+    policy: ReducePolicy = EXACT,
+    accumulate: bool = True,
+) -> tuple[ShardedState, ReduceState]:
+    """:func:`reduce_grad` for a policy that keeps state between reductions: starts from
+    ``reduce_state`` (what the previous reduction of this group returned; ``ReduceState()``
+    the first time) and returns the new sharded state and the :class:`ReduceState` to pass
+    to the next one. With ``policy.all_reduce=False`` under HSDP the sharded gradients are
+    unchanged and the reduce-scattered sum is kept in the returned state's ``partial``."""
     pending = begin_reduce(
-        grads, sharded, comm, replicate_comm=replicate_comm, policy=policy, async_op=False
+        grads,
+        sharded,
+        comm,
+        replicate_comm=replicate_comm,
+        policy=policy,
+        reduce_state=reduce_state,
+        async_op=False,
     )
     return finish_reduce(pending, accumulate=accumulate)
 

@@ -52,6 +52,7 @@ from .reduction import (
     PendingReduce,
     ReduceInput,
     ReducePolicy,
+    ReduceState,
     accumulate_local_grads,
     begin_reduce,
     empty_buffer,
@@ -59,6 +60,7 @@ from .reduction import (
     issue_reduce,
     pack_grads,
     reduce_grad,
+    reduce_grad_with_state,
     reduce_input,
 )
 
@@ -70,6 +72,7 @@ __all__ = [
     "RowShare",
     "ReduceInput",
     "ReducePolicy",
+    "ReduceState",
     "accumulate_local_grads",
     "begin_reduce",
     "begin_unshard",
@@ -85,6 +88,7 @@ __all__ = [
     "pack_locals",
     "post_forward_from_gather",
     "reduce_grad",
+    "reduce_grad_with_state",
     "reduce_input",
     "reshard",
     "shard",
@@ -703,8 +707,8 @@ def writeback(unsharded: UnshardedState, sharded: ShardedState | None = None) ->
         sharded: the sharded state to write into (default: ``unsharded.source``). Not mutated.
 
     Returns:
-        ``sharded`` with only :attr:`~ShardedState.flat` replaced: grads, the HSDP partial sum,
-        the compression residual and the static fields are carried over as they are.
+        ``sharded`` with only :attr:`~ShardedState.flat` replaced: grads and the static fields
+        are carried over as they are.
     """
     if not isinstance(unsharded, UnshardedState):
         raise StateError(f"writeback expects an UnshardedState, got {type(unsharded).__name__}")
@@ -725,7 +729,7 @@ def writeback(unsharded: UnshardedState, sharded: ShardedState | None = None) ->
         sharded.rank,
     )
     # Evolve the given state, not the fresh one, so a field added to ShardedState later is kept
-    # too (listing the fields to copy once dropped the compression residual).
+    # too (listing the fields to copy once dropped one).
     return attrs.evolve(sharded, flat=fresh.flat)
 
 

@@ -19,9 +19,11 @@ from _dist import World
 from functional_fsdp.core.comm import Communicator
 from functional_fsdp.core.transitions import (
     ReducePolicy,
+    ReduceState,
     begin_unshard,
     post_forward_from_gather,
     reduce_grad,
+    reduce_grad_with_state,
     reshard,
     shard,
     unshard,
@@ -122,14 +124,19 @@ def _hsdp(
     s = shard(tree, world_size=shard_comm.world_size, rank=shard_comm.rank)
     a, b = _as_tree(g1[rank], s), _as_tree(g2[rank], s)
     now = reduce_grad(a, s, shard_comm, replicate_comm=replicate_comm)
-    held = reduce_grad(
-        a, s, shard_comm, replicate_comm=replicate_comm, policy=ReducePolicy(all_reduce=False)
+    held, kept = reduce_grad_with_state(
+        a,
+        s,
+        ReduceState(),
+        shard_comm,
+        replicate_comm=replicate_comm,
+        policy=ReducePolicy(all_reduce=False),
     )
-    later = reduce_grad(b, held, shard_comm, replicate_comm=replicate_comm)
+    later, _ = reduce_grad_with_state(b, held, kept, shard_comm, replicate_comm=replicate_comm)
     n = len(s.layout)
     return (
         [now.local_grad(i) for i in range(n)],
-        held.partial,
+        kept.partial,
         [later.local_grad(i) for i in range(n)],
     )
 

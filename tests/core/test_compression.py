@@ -49,21 +49,26 @@ shape_lists = st.lists(
 
 
 def _reduce_both(ws: int, shapes: list, policy: F.GradCompression, steps: int = 1) -> list:
-    """Per rank: (exact reductions, compressed reductions, final compressed state)."""
+    """Per rank: (exact reductions, compressed reductions, the final reduction state)."""
     full = _tree(0, shapes)
     per_rank = [[_tree(100 * s + r + 1, shapes) for s in range(steps)] for r in range(ws)]
 
     def body(comm: Any, grads: list) -> tuple:
         state = F.shard(full, world_size=ws, rank=comm.rank)
         exact, comp = [], []
-        cstate = state
+        cstate, carry = state, F.ReduceState()
         for g in grads:
             exact.append(F.reduce_grad(g, state, comm, accumulate=False))
-            cstate = F.reduce_grad(
-                g, cstate, comm, accumulate=False, policy=F.ReducePolicy(compression=policy)
+            cstate, carry = F.reduce_grad_with_state(
+                g,
+                cstate,
+                carry,
+                comm,
+                accumulate=False,
+                policy=F.ReducePolicy(compression=policy),
             )
             comp.append(cstate)
-        return exact, comp, cstate
+        return exact, comp, carry
 
     return SimulatedWorld(ws).run(body, per_rank)
 
@@ -99,7 +104,7 @@ def test_error_feedback_loses_nothing_over_steps(ws, shapes, dtype) -> None:
     steps = 4
     results = _reduce_both(ws, shapes, policy, steps)
     residuals = [r[2].residual.view(ws, -1) for r in results]  # (ws, S) per rank
-    lay = results[0][2].layout
+    lay = results[0][0][0].layout
     for rank, (exact, comp, _) in enumerate(results):
         held = sum(residuals[p][rank] for p in range(ws) if p != rank) / ws  # avg reduction
         off = 0
@@ -142,7 +147,9 @@ def test_bytes_on_the_wire(ws: int, dtype) -> None:
     def body(comm: Any) -> tuple[int, int]:
         state = F.shard(full, world_size=ws, rank=comm.rank)
         counting = CountingComm(comm)
-        F.reduce_grad(full, state, counting, policy=F.ReducePolicy(compression=policy))
+        F.reduce_grad_with_state(
+            full, state, F.ReduceState(), counting, policy=F.ReducePolicy(compression=policy)
+        )
         return counting.sent, wire_bytes(state.layout, policy)
 
     for sent, expected in SimulatedWorld(ws).run(body):
@@ -162,17 +169,19 @@ def test_non_finite_gradients_stay_non_finite() -> None:
         bad = torch.ones(8, 4)
         if comm.rank == 0:
             bad[6, 1] = float("inf")  # row 6 belongs to rank 1
-        s1 = F.reduce_grad({"w": bad}, state, comm, policy=_compressed())
-        s2 = F.reduce_grad(
-            {"w": torch.ones(8, 4)}, s1, comm, accumulate=False, policy=_compressed()
+        s1, c1 = F.reduce_grad_with_state(
+            {"w": bad}, state, F.ReduceState(), comm, policy=_compressed()
         )
-        return s1, s2
+        s2, _ = F.reduce_grad_with_state(
+            {"w": torch.ones(8, 4)}, s1, c1, comm, accumulate=False, policy=_compressed()
+        )
+        return s1, s2, c1
 
-    (a1, a2), (b1, b2) = SimulatedWorld(2).run(body)
+    (a1, a2, ac), (b1, b2, bc) = SimulatedWorld(2).run(body)
     assert torch.isfinite(a1.local_grad(0)).all()  # rank 0's own rows never leave it
     assert torch.isnan(b1.local_grad(0)).any()
-    for s in (a1, b1):
-        assert torch.isfinite(s.residual).all()
+    for c in (ac, bc):
+        assert torch.isfinite(c.residual).all()
     for s in (a2, b2):
         assert torch.isfinite(s.local_grad(0)).all()
 
@@ -199,14 +208,23 @@ def test_bad_input_is_refused_before_any_collective() -> None:
     with pytest.raises(errors.PolicyError, match="block_size"):
         F.GradCompression(block_size=0)
     state = F.shard({"w": torch.randn(6, 2)}, world_size=2, rank=0)
-    with pytest.raises(errors.LayoutMismatchError, match="residual"):
-        F.ShardedState(state.layout, 0, state.flat, residual=torch.zeros(5))
 
     class Silent:
         world_size, rank, supports_pieces = 2, 0, False
 
         def __getattr__(self, name: str) -> Any:
             raise AssertionError(f"a collective ran: {name}")
+
+    g = {"w": torch.ones(6, 2)}
+    with pytest.raises(errors.LayoutMismatchError, match="residual"):
+        F.reduce_grad_with_state(
+            g, state, F.ReduceState(residual=torch.zeros(5)), Silent(), policy=_compressed()
+        )
+    # Error feedback keeps a residual for the next reduction: reduce_grad would drop it.
+    with pytest.raises(errors.StateError, match="reduce_grad_with_state"):
+        F.reduce_grad(g, state, Silent(), policy=_compressed())
+    with pytest.raises(errors.StateError, match="ReduceState"):
+        F.reduce_grad_with_state(g, state, None, Silent(), policy=_compressed())  # type: ignore[arg-type]
 
     with pytest.raises(errors.StateError, match="GradCompression"):
         F.ReducePolicy(compression="int8")  # type: ignore[arg-type]
@@ -227,8 +245,10 @@ def test_hsdp_compresses_the_shard_reduction_only() -> None:
         shard_c, rep_c = world.shard_comm(r), world.replicate_comm(r)
         state = F.shard(full, world_size=2, rank=shard_c.rank)
         exact = F.reduce_grad(g, state, shard_c, replicate_comm=rep_c)
-        comp = F.reduce_grad(g, state, shard_c, replicate_comm=rep_c, policy=_compressed())
-        return exact.local_grad(0), comp.local_grad(0), comp.residual
+        comp, carry = F.reduce_grad_with_state(
+            g, state, F.ReduceState(), shard_c, replicate_comm=rep_c, policy=_compressed()
+        )
+        return exact.local_grad(0), comp.local_grad(0), carry.residual
 
     for e, c, res in world.run(body, grads):
         assert (e - c).abs().max().item() < 0.03 and not torch.equal(e, c)
@@ -291,7 +311,7 @@ def case_error_feedback_across_steps(k: int) -> dict:
         out[ef] = {
             "first_err": max((f - e).abs().max().item() for f, e in zip(first, exact)),
             "sum_err": max((t - k * e).abs().max().item() for t, e in zip(total, exact)),
-            "residuals": [g.state.residual is not None for g in groups if g is not None],
+            "residuals": [g.reduce_state.residual is not None for g in groups if g is not None],
         }
     out["exact_max"] = max(e.abs().max().item() for e in exact)
     return out
@@ -306,7 +326,7 @@ def case_training_tracks_exact(steps: int) -> dict:
     # Switching it off drops every residual.
     model.set_gradient_compression(None)
     groups = [m._ffsdp_state.group for m in model.modules() if hasattr(m, "_ffsdp_state")]
-    losses["residuals_after_off"] = [g.state.residual for g in groups if g is not None]
+    losses["residuals_after_off"] = [g.reduce_state.residual for g in groups if g is not None]
     return losses
 
 
@@ -426,9 +446,9 @@ def case_rollback_equals_fresh_resume(path: str) -> dict:
     msd, osd = get_state_dict(live, opt)
     F.save_checkpoint({"model": msd, "optim": osd}, path)
     _train(live, opt, 2)
-    had_residual = [g.state.residual is not None for g in _groups(live)]
+    had_residual = [g.reduce_state.residual is not None for g in _groups(live)]
     _load(live, opt, path)
-    residual_after_load = [g.state.residual is not None for g in _groups(live)]
+    residual_after_load = [g.reduce_state.residual is not None for g in _groups(live)]
     rolled = _train(live, opt, 2)
 
     torch.manual_seed(1)  # other initial weights: the checkpoint must replace them
@@ -466,7 +486,9 @@ def test_a_group_of_only_empty_shards_reduces_compressed(ws: int) -> None:
 
     def body(c: Any) -> Any:
         s = F.shard({"a": torch.randn(0, 3)}, world_size=ws, rank=c.rank)
-        return F.reduce_grad({"a": torch.zeros(0, 3)}, s, c, policy=_compressed())
+        return F.reduce_grad_with_state(
+            {"a": torch.zeros(0, 3)}, s, F.ReduceState(), c, policy=_compressed()
+        )[0]
 
     for out in SimulatedWorld(ws).run(body):
         assert out.grads[0].shape == (0, 3)

@@ -35,6 +35,7 @@ from functional_fsdp.core.records import (
     ShardedState,
     UnshardedState,
 )
+from functional_fsdp.core.reduction import ReduceState
 from functional_fsdp.core.transitions import reshard, shard, unshard
 from functional_fsdp.testing import SimulatedWorld
 
@@ -366,10 +367,12 @@ def _every_record() -> dict[str, object]:
     full = attrs.evolve(
         s,
         grads=(torch.randn(lay.shard_shapes[0]), None),
-        partial=torch.randn(lay.shard_numel),
-        residual=torch.randn(lay.world_size * lay.shard_numel),
     )
     return {
+        "ReduceState": ReduceState(
+            residual=torch.randn(lay.world_size * lay.shard_numel),
+            partial=torch.randn(lay.shard_numel),
+        ),
         "ShardedState": full,
         "UnshardedState": attrs.evolve(u, source=full),
         "PostForwardState": PostForwardState(lay, 1, 1, torch.zeros(2 * lay.gather.total), full),
@@ -412,11 +415,16 @@ def test_tree_map_to_shapes_keeps_every_field() -> None:
     shapes = optree.tree_map(lambda t: t.shape, s, namespace=NAMESPACE)
     assert shapes.flat == s.flat.shape
     assert shapes.grads == (s.grads[0].shape, None)
-    assert shapes.partial == s.partial.shape and shapes.residual == s.residual.shape
     assert shapes.layout is s.layout and shapes.rank == s.rank
+    r = _every_record()["ReduceState"]
+    shapes = optree.tree_map(lambda t: t.shape, r, namespace=NAMESPACE)
+    assert type(shapes) is ReduceState
+    assert shapes.partial == r.partial.shape and shapes.residual == r.residual.shape
 
 
-@pytest.mark.parametrize("which", ["ShardedState", "UnshardedState", "PostForwardState"])
+@pytest.mark.parametrize(
+    "which", ["ReduceState", "ShardedState", "UnshardedState", "PostForwardState"]
+)
 def test_flatten_unflatten_round_trip_is_the_original(which: str) -> None:
     record = _every_record()[which]
     leaves, spec = tree_flatten(record)
@@ -430,7 +438,5 @@ def test_constructors_still_validate() -> None:
     s = _sharded(4, 1)
     with pytest.raises(LayoutMismatchError):
         ShardedState(s.layout, s.rank, torch.zeros(1))
-    with pytest.raises(LayoutMismatchError):
-        attrs.evolve(s, residual=torch.zeros(3))
     with pytest.raises(LayoutMismatchError):
         UnshardedState(s.layout, 1, (torch.zeros(1),))

@@ -26,15 +26,15 @@ from strategies import float_dtypes, mesh_shapes, param_trees, world_sizes
 
 from functional_fsdp.core import layout as L
 from functional_fsdp.core.compression import GradCompression
-from functional_fsdp.core.errors import (
-    LayoutMismatchError,
-)
+from functional_fsdp.core.errors import LayoutMismatchError, StateError
 from functional_fsdp.core.records import PostForwardState, ShardedState
 from functional_fsdp.core.transitions import (
     ReducePolicy,
+    ReduceState,
     begin_unshard,
     post_forward_from_gather,
     reduce_grad,
+    reduce_grad_with_state,
     reshard,
     shard,
     unshard,
@@ -254,9 +254,14 @@ def test_hsdp_reduce_is_the_mean_over_all_ranks(
         sc, rc = world.shard_comm(c.rank), world.replicate_comm(c.rank)
         s0 = shard(tree, world_size=shards, rank=sc.rank)
         now = reduce_grad(g1, s0, sc, replicate_comm=rc)
-        held = reduce_grad(g1, s0, sc, replicate_comm=rc, policy=ReducePolicy(all_reduce=False))
-        later = reduce_grad(g2, held, sc, replicate_comm=rc)
-        return now, held, later
+        keep = ReducePolicy(all_reduce=False)
+        with pytest.raises(StateError, match="reduce_grad_with_state"):
+            reduce_grad(g1, s0, sc, replicate_comm=rc, policy=keep)  # it would drop the sum
+        held, kept = reduce_grad_with_state(
+            g1, s0, ReduceState(), sc, replicate_comm=rc, policy=keep
+        )
+        later, after = reduce_grad_with_state(g2, held, kept, sc, replicate_comm=rc)
+        return now, held, later, kept, after
 
     outs = world.run(body, first, second)
     k = len(leaves(tree))
@@ -264,10 +269,10 @@ def test_hsdp_reduce_is_the_mean_over_all_ranks(
         ranks = range(row * shards, row * shards + shards)
         assert_grads([outs[r][0] for r in ranks], [mean_of(first, i) for i in range(k)], shards)
         assert_grads([outs[r][1] for r in ranks], [None] * k, shards)  # nothing reduced yet...
-        assert all(outs[r][1].partial is not None for r in ranks)  # ...but kept as a partial
+        assert all(outs[r][3].partial is not None for r in ranks)  # ...but kept as a partial
         both = [mean_of(first, i) + mean_of(second, i) for i in range(k)]
         assert_grads([outs[r][2] for r in ranks], both, shards)
-        assert all(outs[r][2].partial is None for r in ranks)
+        assert all(outs[r][4].partial is None for r in ranks)
 
 
 @given(tree=param_trees(dtypes=FP32, max_leaves=3), ws=world_sizes(), seed=SEEDS)
@@ -449,22 +454,24 @@ def test_training_does_not_depend_on_world_size() -> None:
 # -------------------------------------------------------------- fields a transition keeps
 
 
-def _with_every_field(state: ShardedState, seed: int, has: dict[str, bool]) -> ShardedState:
-    """``state`` with each optional field set (random values of the right shape) or ``None``."""
+def _with_every_field(
+    state: ShardedState, seed: int, has: dict[str, bool]
+) -> tuple[ShardedState, ReduceState]:
+    """``state`` and a reduction state with each optional field set (random values of the
+    right shape) or ``None``."""
     gen = torch.Generator().manual_seed(seed + state.rank)
     lay = state.layout
     grads = tuple(
         torch.randn(shape, generator=gen).to(s.dtype) if i % 2 == 0 else None
         for i, (shape, s) in enumerate(zip(lay.shard_shapes, lay.specs))
     )
-    return attrs.evolve(
-        state,
-        grads=grads if has["grads"] else None,
+    carry = ReduceState(
         partial=torch.randn(lay.shard_numel, generator=gen) if has["partial"] else None,
         residual=torch.randn(lay.world_size * lay.shard_numel, generator=gen)
         if has["residual"]
         else None,
     )
+    return attrs.evolve(state, grads=grads if has["grads"] else None), carry
 
 
 def _assert_carried(before: Any, after: Any, changed: set[str]) -> None:
@@ -489,13 +496,14 @@ _HAS = st.fixed_dictionaries({k: st.booleans() for k in ("grads", "partial", "re
 def test_transitions_carry_every_field_they_do_not_change(
     tree: Any, ws: int, seed: int, has: dict[str, bool]
 ) -> None:
-    """Each transition changes only the fields its docstring names; the rest (grads, the HSDP
-    partial sum, the compression residual, layout, rank, sources) come back as they went in."""
+    """Each transition changes only the fields its docstring names; the rest (grads, layout,
+    rank, sources; in the reduction's state the HSDP partial sum and the compression residual)
+    come back as they went in."""
     edited = random_like(tree, seed)
     full_grads = random_like(tree, seed + 1, dtype=torch.float32)
 
     def body(c):
-        s = _with_every_field(shard(tree, world_size=ws, rank=c.rank), seed, has)
+        s, carry = _with_every_field(shard(tree, world_size=ws, rank=c.rank), seed, has)
         u = unshard(s, c)
         _assert_carried(s, u, {"params", "buffer", "source"})
         assert u.source is s
@@ -511,15 +519,16 @@ def test_transitions_carry_every_field_they_do_not_change(
         )
         _assert_carried(attrs.evolve(s, grads=None), reduced, {"grads"})
         if s.layout.grad_reduce_dtype() == torch.float32:
-            kept = reduce_grad(full_grads, s, c)
+            kept, same = reduce_grad_with_state(full_grads, s, carry, c)
             _assert_carried(s, kept, {"grads"})
-        if s.layout.grad_reduce_dtype() == torch.float32:
+            _assert_carried(carry, same, set())  # neither compressed nor HSDP: carried as is
             # Compression changes the residual too (error feedback), and nothing else (a group
             # of only empty shards included: nothing goes on the wire).
-            squeezed = reduce_grad(
-                full_grads, s, c, policy=ReducePolicy(compression=GradCompression())
+            squeezed, fed = reduce_grad_with_state(
+                full_grads, s, carry, c, policy=ReducePolicy(compression=GradCompression())
             )
-            _assert_carried(s, squeezed, {"grads", "residual"})
+            _assert_carried(s, squeezed, {"grads"})
+            _assert_carried(carry, fed, {"residual"})
 
     SimulatedWorld(ws).run(body)
 
@@ -537,17 +546,23 @@ def test_hsdp_reduction_carries_every_field_but_grads_and_partial(
 
     def body(c):
         shard_comm, rep_comm = world.shard_comm(c.rank), world.replicate_comm(c.rank)
-        s = _with_every_field(shard(tree, world_size=ws, rank=shard_comm.rank), seed, has)
-        held = reduce_grad(
+        s, carry = _with_every_field(shard(tree, world_size=ws, rank=shard_comm.rank), seed, has)
+        held, kept = reduce_grad_with_state(
             full_grads,
             s,
+            carry,
             shard_comm,
             replicate_comm=rep_comm,
             policy=ReducePolicy(all_reduce=False),
         )
-        _assert_carried(s, held, {"partial"})
-        done = reduce_grad(full_grads, held, shard_comm, replicate_comm=rep_comm)
-        _assert_carried(held, done, {"grads", "partial"})
-        assert done.partial is None
+        _assert_carried(s, held, set())
+        _assert_carried(carry, kept, {"partial"})
+        assert kept.partial is not None
+        done, after = reduce_grad_with_state(
+            full_grads, held, kept, shard_comm, replicate_comm=rep_comm
+        )
+        _assert_carried(held, done, {"grads"})
+        _assert_carried(kept, after, {"partial"})
+        assert after.partial is None
 
     world.run(body)

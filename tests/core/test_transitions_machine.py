@@ -33,9 +33,11 @@ from functional_fsdp.core.errors import (
 from functional_fsdp.core.records import PostForwardState, ShardedState, UnshardedState
 from functional_fsdp.core.transitions import (
     ReducePolicy,
+    ReduceState,
     begin_unshard,
     finish_unshard,
     reduce_grad,
+    reduce_grad_with_state,
     reshard,
     shard,
     unshard,
@@ -216,8 +218,9 @@ def _case_reduce_grad_partial(c, ctx):
     s, _ = _prepared(c, ctx)
     g = ctx.grads[c.rank]
     rc = ctx.world.replicate_comm(c.rank)
-    held = reduce_grad(g, s, c, replicate_comm=rc, policy=ReducePolicy(all_reduce=False))
-    return (g, held), lambda: reduce_grad(g, held, c, replicate_comm=rc)
+    keep = ReducePolicy(all_reduce=False)
+    held, kept = reduce_grad_with_state(g, s, ReduceState(), c, replicate_comm=rc, policy=keep)
+    return (g, held, kept), lambda: reduce_grad_with_state(g, held, kept, c, replicate_comm=rc)
 
 
 CONFORMANCE = {
@@ -284,11 +287,13 @@ def test_transition_conformance(name: str, pieces: bool, tree: Any, ws: int, see
         if name in _PIECES and ws > 1:  # the path under test is the one taken
             assert (_PIECES[name] in calls) == pieces, calls
         assert_unchanged(before, *inputs)
-        assert isinstance(out, (ShardedState, UnshardedState, PostForwardState))
-        assert attrs.has(type(out))
-        with pytest.raises(attrs.exceptions.FrozenInstanceError):
-            out.rank = 0
-        assert all(isinstance(t, torch.Tensor) for t in tree_leaves(out))
+        # A stateful reduction returns its new reduction state beside the sharded state.
+        for rec in out if isinstance(out, tuple) else (out,):
+            assert isinstance(rec, (ShardedState, UnshardedState, PostForwardState, ReduceState))
+            assert attrs.has(type(rec))
+            with pytest.raises(attrs.exceptions.FrozenInstanceError):
+                rec.rank = 0
+            assert all(isinstance(t, torch.Tensor) for t in tree_leaves(rec))
 
 
 # ---------------------------------------------------------------------------- bad input

@@ -110,13 +110,13 @@ RACES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("hsdp",),
     ),
     "compute does not wait for the post-reduce stream": (
-        "    rt.wait_event(rt.compute, rt.record(post))\n    return new\n",
-        "    return new\n",
+        "    rt.wait_event(rt.compute, rt.record(post))\n    return new, state\n",
+        "    return new, state\n",
         ("alone",),
     ),
     "compute waits on the reduce-scatter stream under HSDP, not the all-reduce": (
-        "    rt.wait_event(rt.compute, rt.record(post))\n    return new\n",
-        "    rt.wait_event(rt.compute, rt.record(rs))\n    return new\n",
+        "    rt.wait_event(rt.compute, rt.record(post))\n    return new, state\n",
+        "    rt.wait_event(rt.compute, rt.record(rs))\n    return new, state\n",
         ("hsdp",),
     ),
     "unsharded buffer freed ignoring the events it was given": (

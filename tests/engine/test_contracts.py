@@ -329,3 +329,29 @@ def test_set_is_last_backward_keeps_reductions_in_flight_and_matches_fsdp2(world
         for n in f["grads"]:
             assert torch.equal(f["grads"][n], p["grads"][n]), n
             assert torch.equal(f["grads"][n], t["grads"][n]), n
+
+
+def _no_sync_while_a_reduction_is_in_flight(use_torch: bool, buckets: bool) -> dict[str, Any]:
+    """Three micro-batches: sync on with ``set_is_last_backward(False)`` (its reductions stay
+    in flight past the backward), sync off (its gradients are held), sync on and last.
+    Without buckets each group's reduction is finished by the next group's (hand-over)."""
+    cfg, model, *_ = _models(use_torch)
+    if not buckets and not use_torch:
+        model.set_bucket_bytes(0)
+    rank = dist.get_rank()
+    for i, (sync, last) in enumerate([(True, False), (False, False), (True, True)]):
+        model.set_requires_gradient_sync(sync)
+        model.set_is_last_backward(last)
+        model.loss(*_batch(cfg, rank, i)).backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_gradients_held_without_sync_survive_a_reduction_in_flight(world2: World) -> None:
+    """The held (no-sync) gradients live beside the reduction's state; finishing a reduction
+    that began before them must not drop them (it once replaced the whole state)."""
+    theirs = world2.run(_no_sync_while_a_reduction_is_in_flight, True, True)
+    for buckets in (False, True):
+        ours = world2.run(_no_sync_while_a_reduction_is_in_flight, False, buckets)
+        for o, t in zip(ours, theirs):
+            for n in o:
+                torch.testing.assert_close(o[n], t[n], rtol=1e-6, atol=1e-6, msg=f"{n} {buckets}")

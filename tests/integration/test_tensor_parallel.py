@@ -237,7 +237,7 @@ def case_compressed_2d() -> dict:
     return {
         "exact": exact,
         "compressed": compressed,
-        "residuals": [g.state.residual is not None for g in groups if g is not None],
+        "residuals": [g.reduce_state.residual is not None for g in groups if g is not None],
     }
 
 

@@ -335,7 +335,7 @@ class FSDPModule(TorchFSDPModule):
         with one fp32 scale per 256 elements: 3.94x fewer bytes than fp32) or ``None`` for
         FSDP2's exact reduction (which also drops the residual). Call it with the same policy
         on every rank. The residual of the error feedback lives in each group's
-        :class:`~functional_fsdp.core.records.ShardedState` (one fp32 buffer of the group's
+        :class:`~functional_fsdp.core.reduction.ReduceState` (one fp32 buffer of the group's
         unsharded gradient size); it is not part of ``state_dict``.
 
         Raises:

@@ -367,7 +367,8 @@ def with_all_reduce_hook(
         return attrs.evolve(pending, replicate_comm=_HookedAllReduce(rep, run_hook))
     # A replicate group of one rank: the core skips its no-op all-reduce, so add the kept
     # partial sum here (in place, as FSDP2 does) and run the hook after it.
-    partial = pending.sharded.partial
+    state = pending.reduce_state
+    partial = state.partial
 
     def then() -> None:
         if partial is not None:
@@ -377,5 +378,5 @@ def with_all_reduce_hook(
     return attrs.evolve(
         pending,
         work=ThenWork(pending.work, then),
-        sharded=attrs.evolve(pending.sharded, partial=None),
+        reduce_state=attrs.evolve(state, partial=None),
     )

@@ -53,6 +53,7 @@ from ...core import transitions as T
 from ...core.errors import UnsupportedError
 from ...core.lifecycle import Act, Event, LifecycleConfig, Phase, Stage, advance
 from ...core.records import ShardedState
+from ...core.reduction import NO_REDUCE_STATE
 from ..device.runtime import DeviceRuntime
 from . import ordering
 from .autograd import GatherFn
@@ -195,7 +196,7 @@ class DeferredReductions:
     def _land(self) -> None:
         pending, self._pending = self._pending, []
         for p, results, runtime in pending:
-            new = ordering.finish_reduce(runtime, p)
+            new = ordering.finish_reduce(runtime, p)[0]
             for i, dst in enumerate(results):
                 src = new.local_grad(i)
                 if dst is None or src is None:
@@ -409,13 +410,20 @@ class GatherCall:
             return (None,) * len(grads)
         deferred = None if self.create_graph else self.deferred
         if deferred is not None and deferred.first(g):
-            pending = g.begin_reduce(grads, self.sharded, async_op=True, all_reduce=True)
+            pending = g.begin_reduce(
+                grads,
+                self.sharded,
+                reduce_state=NO_REDUCE_STATE,
+                async_op=True,
+                all_reduce=True,
+            )
             locals_ = _deferred_results(pending)
             deferred.add(pending, locals_, g.runtime)
         else:
-            # The group's own record keeps the residual the reduction returns (a caller's
-            # sources have none: compression refuses the functional path).
-            locals_ = g.reduce_now(grads, self.sharded, keep_residual=self.forward is None)
+            # The functional path's reduction starts from no state and keeps none: compression
+            # refuses it, and a partial sum a module-path backward kept (HSDP without the
+            # all-reduce) stays the module's.
+            locals_ = g.reduce_now(grads, self.sharded, own=False)
         return g.sharded_grads(locals_)
 
     def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:

@@ -29,7 +29,7 @@ from ...core.comm import Communicator, coalesces, uses_pieces
 from ...core.compression import GradCompression
 from ...core.plan import ReduceFacts, reduces_together
 from ...core.records import GroupLayout, ShardedState
-from ...core.reduction import ReducePolicy
+from ...core.reduction import NO_REDUCE_STATE, ReducePolicy, hold_unsynced, release_unsynced
 from ...core.reproducible import PendingTreeReduce
 from ..comm.custom import with_all_reduce_hook
 from ..comm.process_group import ProcessGroupComm
@@ -51,9 +51,11 @@ class GroupGradients:
     Attributes:
         tree: the reproducible reduction's accumulator (``ReproduciblePolicy``), else ``None``.
         pending_reduce: the reduction in flight, else ``None``.
+        reduce_state: what the group's reductions hand the next one (the compression
+            residual, HSDP's partial sum, the full gradients held while gradient sync is off:
+            :class:`~functional_fsdp.core.reduction.ReduceState`).
         reduce_chain: the root's one reduction in flight, shared by its groups.
         reduce_bucket: the bucket this group reduces in (the root's schedule), else ``None``.
-        accumulated: full gradients kept while gradient sync is off, else ``None``.
     """
 
     # The group's fields this room reads (ParamGroup.__init__ sets them).
@@ -86,9 +88,9 @@ class GroupGradients:
             self.tree = TreeAccumulator(self.config.reproducible, dp, self.name, awaits_step=True)
             install_step_check()
         self.pending_reduce: T.PendingReduce | PendingTreeReduce | None = None
+        self.reduce_state: T.ReduceState = NO_REDUCE_STATE
         self.reduce_chain = ReduceChain()  # the root shares one among its groups (lazy init)
         self.reduce_bucket: ReduceBucket | None = None  # the root's schedule's, if any
-        self.accumulated: list[torch.Tensor | None] | None = None
         # The AccumulateGrad node of a trained parameter (to tell autograd.grad from backward).
         self._grad_accumulator: Node | None = None
 
@@ -107,8 +109,8 @@ class GroupGradients:
         docs/compression.md). A reduction in flight finishes first, so it cannot hand a
         residual from before back afterwards."""
         self.finish_reduce()
-        if self.state.residual is not None:
-            self.state = attrs.evolve(self.state, residual=None)
+        if self.reduce_state.residual is not None:
+            self.reduce_state = attrs.evolve(self.reduce_state, residual=None)
 
     def join_reduce_chain(self, chain: ReduceChain) -> None:
         """Share the root's one reduction in flight (its lazy init)."""
@@ -130,19 +132,10 @@ class GroupGradients:
             if self.tree.push(grads, self.layout, last=last_use):
                 self._begin_tree_reduce()
         elif not self.config.requires_gradient_sync:
-            rdtype = self.layout.grad_reduce_dtype()
-            acc = self.accumulated or [None] * len(grads)
-            self.accumulated = [
-                (a if g is None else (g.to(rdtype, copy=True) if a is None else a.add_(g)))
-                for a, g in zip(acc, grads)
-            ]
+            self.reduce_state = hold_unsynced(self.reduce_state, grads, self.layout)
         else:
-            if self.accumulated is not None:
-                grads = [
-                    (a if g is None else (g if a is None else a.add_(g)))
-                    for a, g in zip(self.accumulated, grads)
-                ]
-                self.accumulated = None
+            if self.reduce_state.unsynced is not None:  # sync is on again after a no-sync step
+                grads, self.reduce_state = release_unsynced(self.reduce_state, grads)
             if any(g is not None for g in grads):
                 bucket = self.reduce_bucket
                 if bucket is not None and bucket.holds(self):
@@ -157,12 +150,15 @@ class GroupGradients:
                     bucket.add(self, self.reduce_copy_in(grads, bucket.columns(self)))
                 else:
                     self.reduce_chain.hand_over(self)
-                    self.pending_reduce = self.begin_reduce(grads, self.state)
+                    self.pending_reduce = self.begin_reduce(
+                        grads, self.state, reduce_state=self.reduce_state
+                    )
 
     def drop_failed_gradients(self) -> None:
         """A step failed (``reset_iter_state``): drop its unsharded (no-sync) gradients, the
         reduce bucket's inputs and the reproducible tree's open leaves."""
-        self.accumulated = None
+        if self.reduce_state.unsynced is not None:
+            self.reduce_state = attrs.evolve(self.reduce_state, unsynced=None)
         if self.reduce_bucket is not None:
             self.reduce_bucket.drop()
         if self.tree is not None:
@@ -189,11 +185,13 @@ class GroupGradients:
         grads: Sequence[torch.Tensor | None],
         sharded: ShardedState,
         *,
+        reduce_state: T.ReduceState,
         async_op: bool = True,
         all_reduce: bool | None = None,
     ) -> T.PendingReduce:
-        """Issue the reduce-scatter of ``grads`` into ``sharded`` with this group's settings
-        (the copy-in on compute, the collective on the reduce-scatter stream: :mod:`.ordering`)."""
+        """Issue the reduce-scatter of ``grads`` into ``sharded`` with this group's settings,
+        from ``reduce_state`` (the copy-in on compute, the collective on the reduce-scatter
+        stream: :mod:`.ordering`)."""
         cfg = self.config
         policy = self.reduce_policy()
         if all_reduce is not None and all_reduce != policy.all_reduce:
@@ -205,6 +203,7 @@ class GroupGradients:
             self.comm,
             replicate_comm=self.replicate_comm,
             policy=policy,
+            reduce_state=reduce_state,
             async_op=async_op,
             alloc=self.alloc_advised,
         )
@@ -246,6 +245,7 @@ class GroupGradients:
             self.comm,
             replicate_comm=self.replicate_comm,
             policy=self.reduce_policy(),
+            reduce_state=self.reduce_state,
             out=out,
         )
 
@@ -281,20 +281,24 @@ class GroupGradients:
         return [g if rg else None for g, rg in zip(grads, self._requires_grad)]
 
     def reduce_now(
-        self, grads: Sequence[torch.Tensor | None], sharded: ShardedState, *, keep_residual: bool
+        self, grads: Sequence[torch.Tensor | None], sharded: ShardedState, *, own: bool
     ) -> list[torch.Tensor | None]:
         """Reduce-scatter ``grads`` into ``sharded`` and wait: this rank's reduced shards
-        (``None`` where no gradient). ``keep_residual``: the shards are the group's own, so
-        the compression residual the reduction returns becomes the group's."""
+        (``None`` where no gradient). ``own``: the shards are the group's own, so the
+        reduction starts from the group's :attr:`reduce_state` and the state it returns
+        becomes the group's (else it starts from none and keeps none)."""
         if self.tree is not None:  # torch.autograd.grad on the module path, one micro-batch
             new = self.tree.reduce_one(
                 grads, sharded, self.comm, self.replicate_comm, runtime=self.runtime
             )
             return [new.local_grad(i) for i in range(len(self.layout))]
-        pending = self.begin_reduce(grads, sharded, async_op=False, all_reduce=True)
-        new = ordering.finish_reduce(self.runtime, pending)
-        if keep_residual:
-            self.state = attrs.evolve(self.state, residual=new.residual)
+        state = self.reduce_state if own else NO_REDUCE_STATE
+        pending = self.begin_reduce(
+            grads, sharded, reduce_state=state, async_op=False, all_reduce=True
+        )
+        new, state = ordering.finish_reduce(self.runtime, pending)
+        if own:
+            self._adopt_reduce_state(state)
         return [new.local_grad(i) for i in range(len(self.layout))]
 
     def sharded_grads(self, locals_: Sequence[torch.Tensor | None]) -> tuple[DTensor | None, ...]:
@@ -362,10 +366,16 @@ class GroupGradients:
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is None:
             return
-        new = ordering.finish_reduce(self.runtime, pending, self._land_grads)
-        state = self.state
-        if new.partial is not state.partial or new.residual is not state.residual:
-            self.state = attrs.evolve(state, partial=new.partial, residual=new.residual)
+        self._adopt_reduce_state(ordering.finish_reduce(self.runtime, pending, self._land_grads)[1])
+
+    def _adopt_reduce_state(self, after: T.ReduceState) -> None:
+        """Keep what a finished reduction hands on (its residual, its partial sum). Only
+        those: the state it started from is a snapshot, and gradients held without sync
+        since it began (a reduction left in flight by ``set_is_last_backward(False)``) are
+        the group's current ones."""
+        rs = self.reduce_state
+        if after.residual is not rs.residual or after.partial is not rs.partial:
+            self.reduce_state = attrs.evolve(rs, residual=after.residual, partial=after.partial)
 
     def _land_grads(self, new: ShardedState) -> list[torch.Tensor]:
         """Add the reduced shards of ``new`` to each parameter's ``.grad``; the ``.grad``
@@ -442,7 +452,7 @@ class OwnReduction:
         grads = g.trained(grads)
         if not any(gr is not None for gr in grads):
             return (None,) * len(grads)
-        return g.sharded_grads(g.reduce_now(grads, self.sharded, keep_residual=True))
+        return g.sharded_grads(g.reduce_now(grads, self.sharded, own=True))
 
     def gather_cotangents(self, cotangents: Sequence[Any]) -> tuple[torch.Tensor, ...]:
         """The adjoint of :meth:`reduce` (an all-gather)."""

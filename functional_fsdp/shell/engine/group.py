@@ -32,6 +32,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
 from ...core import transitions as T
+from ...core._tree import tree_map
 from ...core.comm import Communicator, coalesces
 from ...core.errors import ReproducibilityError
 from ...core.lifecycle import Act, Event, LifecycleConfig, Phase, advance
@@ -354,10 +355,9 @@ class ParamGroup(GroupGradients, GroupLending):
             specs = [attrs.evolve(s, dtype=d) for s, d in zip(self.layout.specs, dtypes)]
             self._relayout(layout_for(specs, self.layout.world_size, self.mp_policy))
         state = T.pack_locals(locals_, self.layout, self.state.rank, device=device)
-        residual = self.state.residual
-        self.state = state = attrs.evolve(
-            state, residual=None if residual is None else residual.to(self.device)
-        )
+        self.state = state
+        # The reduction's state goes where the group's tensors live (the group's device).
+        self.reduce_state = tree_map(lambda t: t.to(self.device), self.reduce_state)
         for sp, p in zip(self.sharded_params, current):
             sp.adopt(p, state.local(sp.index))
         self._index_params()
@@ -779,7 +779,7 @@ class ParamGroup(GroupGradients, GroupLending):
         (cloned), parameters registered on ``holders`` (the copied modules) and lent to
         ``lent`` (the copied modules of other groups that use them), the same mesh and
         communicators (process-group handles, not state), the reduction settings, and copies
-        of the unsharded (no-sync) and sharded gradients."""
+        of the unsharded (no-sync) and sharded gradients and of the reduction's state."""
         offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
         settings = {k: getattr(self.config, k) for k in _COPIED_SETTINGS}
         new = ParamGroup(
@@ -802,8 +802,8 @@ class ParamGroup(GroupGradients, GroupLending):
         for i, users in enumerate(lent):
             if users:
                 new.lend(i, users)
-        if self.accumulated is not None:
-            new.accumulated = [a.clone() if a is not None else None for a in self.accumulated]
+        # The reduction's state (held no-sync gradients, residual, partial sum): copied.
+        new.reduce_state = tree_map(torch.clone, self.reduce_state)
         for old_p, new_p in zip(self._params, new._params):
             if old_p.grad is not None:
                 new_p.grad = old_p.grad.detach().clone()
@@ -833,5 +833,4 @@ def _copy_record(state: ShardedState) -> ShardedState:
     grads = None
     if state.grads is not None:
         grads = tuple(g.clone() if g is not None else None for g in state.grads)
-    partial = state.partial.clone() if state.partial is not None else None
-    return attrs.evolve(state, flat=state.flat.clone(), grads=grads, partial=partial)
+    return attrs.evolve(state, flat=state.flat.clone(), grads=grads)

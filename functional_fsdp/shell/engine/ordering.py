@@ -41,6 +41,7 @@ from ...core.coalesce import begin_unshard_coalesced, issue_reduce_coalesced
 from ...core.codec import GatherCodec
 from ...core.comm import Communicator
 from ...core.records import PostForwardState, ShardedState
+from ...core.reduction import NO_REDUCE_STATE
 from ...core.reproducible import PendingTreeReduce, finish_tree_reduce
 from ..device.runtime import DeviceRuntime, Event, Stream
 
@@ -314,12 +315,21 @@ def issue_reduce(
     *,
     replicate_comm: Communicator | None,
     policy: T.ReducePolicy,
+    reduce_state: T.ReduceState,
     async_op: bool,
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor],
 ) -> T.PendingReduce:
     """The copy-in on compute (:func:`reduce_copy_in`), then the reduce-scatter on its
-    stream, as ``policy`` says."""
-    rin = reduce_copy_in(rt, grads, sharded, comm, replicate_comm=replicate_comm, policy=policy)
+    stream, as ``policy`` says, from ``reduce_state``."""
+    rin = reduce_copy_in(
+        rt,
+        grads,
+        sharded,
+        comm,
+        replicate_comm=replicate_comm,
+        policy=policy,
+        reduce_state=reduce_state,
+    )
     present = [g for g in grads if g is not None] if rt.checks else []
     rs = rt.side_stream("reduce_scatter")
     reduce_after_compute(rt)
@@ -345,6 +355,7 @@ def reduce_copy_in(
     *,
     replicate_comm: Communicator | None,
     policy: T.ReducePolicy,
+    reduce_state: T.ReduceState,
     out: torch.Tensor | None = None,
 ) -> T.ReduceInput:
     """A reduction's copy-in on compute, where backward made the gradients
@@ -361,6 +372,7 @@ def reduce_copy_in(
             comm,
             replicate_comm=replicate_comm,
             policy=policy,
+            reduce_state=reduce_state,
             out=out,
             alloc=rt.empty,
         )
@@ -416,11 +428,12 @@ def finish_reduce(
     rt: DeviceRuntime,
     pending: Reduction,
     land: Callable[[ShardedState], Sequence[torch.Tensor]] | None = None,
-) -> ShardedState:
+) -> tuple[ShardedState, T.ReduceState]:
     """Wait for the reduction on its stream, free its packed input after it, and finish it
     (HSDP all-reduce, post-divide, split, cast: the core) on the post-reduce stream, where
     ``land(new)`` puts the shards where they go (returning the tensors it wrote in place);
-    compute waits for all of it. Returns the core's new record."""
+    compute waits for all of it. Returns the core's new record and the reduction's state for
+    the next one (none for the reproducible tree)."""
     rs = rt.side_stream("reduce_scatter")
     with rt.use(rs):
         pending.work.wait()
@@ -436,14 +449,14 @@ def finish_reduce(
         rt.wait_stream(post, rs)
     with rt.use(post):
         if isinstance(pending, PendingTreeReduce):
-            new = finish_tree_reduce(pending, accumulate=False)
+            new, state = finish_tree_reduce(pending, accumulate=False), NO_REDUCE_STATE
         else:
-            new = T.finish_reduce(pending, accumulate=False)
+            new, state = T.finish_reduce(pending, accumulate=False)
         wrote = land(new) if land is not None else ()
         if rt.checks:
             _annotate_post_reduce(rt, post, pending, new, wrote)
     rt.wait_event(rt.compute, rt.record(post))
-    return new
+    return new, state
 
 
 def _annotate_post_reduce(
@@ -454,7 +467,7 @@ def _annotate_post_reduce(
     wrote: Sequence[torch.Tensor],
 ) -> None:
     out = pending.pieces if isinstance(pending, PendingTreeReduce) else pending.output
-    partial = pending.sharded.partial
+    partial = None if isinstance(pending, PendingTreeReduce) else pending.reduce_state.partial
     reads = [out] if partial is None else [out, partial]
     made = [g for g in new.grads or () if g is not None]
     rt.access(post, "post-reduce (split, cast, .grad)", reads=reads, writes=[*made, *wrote])

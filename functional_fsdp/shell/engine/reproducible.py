@@ -181,7 +181,7 @@ class TreeAccumulator:
                 async_op=False,
             ),
         )
-        return ordering.finish_reduce(runtime, pending)
+        return ordering.finish_reduce(runtime, pending)[0]
 
     def reset(self) -> None:
         """Forget the micro-batches of a step that will not complete (``reset_iter_state``)."""
@@ -291,7 +291,7 @@ class TreeReductions:
             pending.append((p, sources, group.runtime))
         self._groups.clear()
         for p, sources, runtime in pending:
-            new = ordering.finish_reduce(runtime, p)
+            new = ordering.finish_reduce(runtime, p)[0]
             for i, src in enumerate(sources):
                 g = new.local_grad(i)
                 if g is not None:
