@@ -13,10 +13,14 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
 from .errors import IndivisibleError, ScalarParameterError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DivideFactors",
@@ -162,6 +166,21 @@ class DivideFactors:
     op: str
     all_reduce_op: str
     premul: float | None = None
+
+    def scale_input(self, t: torch.Tensor, *, donate: bool = False) -> torch.Tensor:
+        """The reduce-scatter's input divided by ``pre`` or multiplied by ``premul`` (at most
+        one is set). ``donate=True`` writes into ``t`` (a buffer of the caller's own, e.g. the
+        eager reduction's packed input); else a new tensor (a traced graph's node)."""
+        if self.pre is not None and self.pre != 1:
+            return t.div_(self.pre) if donate else t / self.pre
+        if self.premul is not None:
+            return t.mul_(self.premul) if donate else t * self.premul
+        return t
+
+    def scale_output(self, t: torch.Tensor) -> torch.Tensor:
+        """The reduced gradients divided by ``post`` (a new tensor), after the last
+        reduction."""
+        return t / self.post if self.post is not None and self.post != 1 else t
 
 
 @functools.lru_cache(maxsize=256)

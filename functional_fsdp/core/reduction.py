@@ -496,11 +496,7 @@ def _pack_input(
     )
     if compression is not None and lay.world_size > 1 and inp.dtype != torch.float32:
         inp = inp.float()
-    if factors.pre is not None and factors.pre != 1:
-        inp.div_(factors.pre)
-    if factors.premul is not None:
-        inp.mul_(factors.premul)
-    return inp
+    return factors.scale_input(inp, donate=True)
 
 
 def _reduce_packed(
@@ -560,8 +556,7 @@ def finish_reduce(
             state = attrs.evolve(state, partial=None)
         if pending.replicate_comm.world_size > 1:
             pending.replicate_comm.all_reduce(out, op=factors.all_reduce_op).wait()
-    if factors.post is not None and factors.post != 1:
-        out = out / factors.post
+    out = factors.scale_output(out)
     grads = split_reduced(sharded, out, pending.present, accumulate=accumulate)
     return attrs.evolve(sharded, grads=grads), state
 

@@ -24,7 +24,7 @@ for every ``N``.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -41,6 +41,7 @@ __all__ = [
     "ReproduciblePolicy",
     "TreeSums",
     "begin_tree_reduce",
+    "canonical_mean",
     "canonical_norm",
     "canonical_sum",
     "gather_row_sums",
@@ -228,18 +229,38 @@ def finish_tree_reduce(pending: PendingTreeReduce, *, accumulate: bool = True) -
     sharded = pending.sharded
     lay = sharded.layout
     ws, size = lay.world_size, lay.shard_numel
-    out = tree_sum(list(pending.pieces.view(ws, size)))
-    dp = ws
     rep = pending.replicate_comm
-    if rep is not None and rep.world_size > 1:
-        gathered = out.new_empty(rep.world_size * size)
+    replicas = 1 if rep is None else rep.world_size
+
+    def gather_replicas(out: torch.Tensor) -> torch.Tensor:
+        assert rep is not None
+        gathered = out.new_empty(replicas * size)
         rep.all_gather(gathered, out).wait()
-        out = tree_sum(list(gathered.view(rep.world_size, size)))
-        dp *= rep.world_size
-    if dp > 1:
-        out.mul_(1.0 / dp)  # a power of two: exact
+        return gathered
+
+    out = canonical_mean(pending.pieces.view(ws, size), replicas, gather_replicas)
     grads = split_reduced(sharded, out, pending.present, accumulate=accumulate)
     return attrs.evolve(sharded, grads=grads)
+
+
+def canonical_mean(
+    pieces: torch.Tensor,
+    replicas: int,
+    gather_replicas: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The reproducible reduction's arithmetic after its all-to-all, written once for the
+    eager reduction (:func:`finish_tree_reduce`) and the compiled step's graph, whose
+    collectives differ: ``pieces`` (``(N, size)``, row ``r`` rank ``r``'s piece of this rank's
+    shard) added pairwise in rank order; with ``replicas > 1`` (HSDP) the replicas' sums,
+    which ``gather_replicas(sum)`` returns (``replicas * size``, in replica order), added
+    pairwise in replica order; then the average over the ``N * replicas`` ranks, an exact
+    power-of-two scaling."""
+    n, size = pieces.shape
+    out = tree_sum(list(pieces.unbind(0)))
+    if replicas > 1:
+        out = tree_sum(list(gather_replicas(out).view(replicas, size).unbind(0)))
+    dp = n * replicas
+    return out * (1.0 / dp) if dp > 1 else out
 
 
 def tree_reduce(

@@ -53,7 +53,7 @@ from ...core.errors import UnsupportedError
 from ...core.layout import DivideFactors
 from ...core.records import GroupLayout
 from ...core.reduction import reduce_divide_factors
-from ...core.reproducible import tree_sum
+from ...core.reproducible import canonical_mean
 from ...core.traced import full_params, pack_full_grads, pack_shards, traceable_reason
 from ..recovery.copies import model_groups
 from .buckets import DEFAULT_BUCKET_BYTES
@@ -164,10 +164,7 @@ def _bucket_gather(
             g = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
             if first.reduce == "tree":
                 return _tree_reduce(g, shard, replicate).to(storage_dtype)
-            if df.premul is not None:
-                g = g * df.premul
-            if df.pre is not None:
-                g = g / df.pre
+            g = df.scale_input(g)
             g = funcol.wait_tensor(_reduce_scatter(g.reshape(-1), "sum", 0, shard))
             if df.op == "avg":
                 g = g / ws
@@ -175,9 +172,7 @@ def _bucket_gather(
                 g = funcol.wait_tensor(funcol.all_reduce(g, "sum", replicate))
                 if df.all_reduce_op == "avg":
                     g = g / ar_size
-            if df.post is not None:
-                g = g / df.post
-            return g.to(storage_dtype)
+            return df.scale_output(g).to(storage_dtype)
 
     def gathered(*flats: torch.Tensor, sinks: tuple[torch.Tensor, ...] = ()) -> Any:
         return _Gather.apply(torch.cat(flats) if len(flats) > 1 else flats[0], *sinks)
@@ -203,19 +198,17 @@ def _tree_reduce(rows: torch.Tensor, shard: Any, replicate: Any) -> torch.Tensor
     (:func:`~functional_fsdp.core.reproducible.finish_tree_reduce`): one all-to-all gives this
     rank every rank's row of its shard, added pairwise in rank order; under HSDP the replicas'
     sums are all-gathered and added pairwise in replica order; then the exact power-of-two
-    average."""
+    average (the core's :func:`~functional_fsdp.core.reproducible.canonical_mean`, here with
+    functional collectives)."""
     ws, total = rows.shape
     pieces = rows.reshape(-1)
     if ws > 1:
         pieces = funcol.wait_tensor(funcol.all_to_all_single(pieces, None, None, shard))
-    out = tree_sum(list(pieces.view(ws, total).unbind(0)))
-    dp = ws
-    rep_size = _size(replicate)
-    if rep_size > 1:
-        sums = funcol.wait_tensor(_all_gather(out, 0, replicate))
-        out = tree_sum(list(sums.view(rep_size, total).unbind(0)))
-        dp *= rep_size
-    return out * (1.0 / dp) if dp > 1 else out
+    return canonical_mean(
+        pieces.view(ws, total),
+        _size(replicate),
+        lambda out: funcol.wait_tensor(_all_gather(out, 0, replicate)),
+    )
 
 
 def _buckets(traces: list[_GroupTrace], bucket_bytes: int | None) -> list[list[int]]:
