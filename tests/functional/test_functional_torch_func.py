@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from _dist import World
+from _dist import World, shared_mesh
 from _functional_helpers import (
     TOL,
     _batch,
@@ -247,3 +247,41 @@ def test_plain_tensor_substitute_is_a_clear_error(world: World) -> None:
 
 
 # ------------------------------------------------------------------- interop and checkpoints
+
+
+def _case_functional_grads_leave_a_kept_partial_sum_alone(interleave: bool) -> dict[str, Any]:
+    """HSDP (2 replicas): a module backward with ``set_requires_all_reduce(False)`` keeps a
+    partial sum for the next one; ``torch.func.grad`` calls in between (``interleave``) neither
+    add it to their gradients nor consume it."""
+    from functional_fsdp import fully_shard
+
+    torch.manual_seed(0)
+    mesh = shared_mesh((2, 1), ("replicate", "shard"))
+    mlp = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    fully_shard(mlp[0], mesh=mesh)
+    fully_shard(mlp, mesh=mesh)
+    gen = torch.Generator().manual_seed(_rank())
+    xs = [torch.randn(5, 4, generator=gen) for _ in range(3)]
+    mlp.set_requires_all_reduce(False)
+    mlp(xs[0]).square().sum().backward()
+    mlp.set_requires_all_reduce(True)
+    params = _params(mlp)
+
+    def f(ps: dict[str, Any]) -> torch.Tensor:
+        return torch.func.functional_call(mlp, ps, (xs[2],)).square().sum()
+
+    spread = 0.0
+    if interleave:
+        first, second = torch.func.grad(f)(params), torch.func.grad(f)(params)
+        spread = max((first[n] - second[n]).abs().max().item() for n in first)
+    mlp(xs[1]).square().sum().backward()
+    return {"spread": spread, "grads": {n: p.grad.full_tensor() for n, p in mlp.named_parameters()}}
+
+
+def test_functional_grads_leave_the_module_partial_sum_alone(world: World) -> None:
+    plain = world.run(_case_functional_grads_leave_a_kept_partial_sum_alone, False)
+    mixed = world.run(_case_functional_grads_leave_a_kept_partial_sum_alone, True)
+    for p, m in zip(plain, mixed):
+        assert m["spread"] == 0.0  # the two functional gradients are alike
+        for n, g in p["grads"].items():  # and the module's two backwards add as without them
+            assert torch.equal(m["grads"][n], g), n
