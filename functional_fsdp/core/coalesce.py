@@ -37,7 +37,15 @@ import torch
 from .comm import Communicator, PiecesCommunicator, Work, check_comm, work_done
 from .errors import StateError
 from .records import GroupLayout, ShardedState
-from .reduction import PendingReduce, ReduceInput, empty_buffer
+from .reduction import (
+    PendingReduce,
+    ReduceInput,
+    ReduceState,
+    accumulate_local_grads,
+    empty_buffer,
+    finish_reduce,
+)
+from .reproducible import PendingTreeReduce, finish_tree_reduce
 from .transitions import (
     GatherInput,
     PendingUnshard,
@@ -52,6 +60,7 @@ __all__ = [
     "CoalescedWork",
     "CommunicationSchedule",
     "begin_unshard_coalesced",
+    "finish_reductions",
     "issue_reduce_coalesced",
     "lands_by_member",
     "packs_members",
@@ -527,3 +536,42 @@ def _columns_buffer(cols: Sequence[torch.Tensor], total: int) -> torch.Tensor | 
 
 def _free(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
+
+
+Landed = tuple[ShardedState, ReduceState, tuple[torch.Tensor | None, ...] | None]
+
+
+def finish_reductions(
+    pendings: Sequence[PendingReduce | PendingTreeReduce],
+    currents: Sequence[Sequence[torch.Tensor | None]] | None = None,
+    *,
+    donate: bool = False,
+) -> list[Landed]:
+    """Finish reductions that land together (a bucket's members, which share one collective,
+    or one group's) into each group's current local gradients, in one call: for each,
+    :func:`~.reduction.finish_reduce` (or the reproducible tree's finish) without accumulating
+    into the record, then :func:`~.reduction.accumulate_local_grads` into ``currents[i]`` (one
+    unpadded local gradient or ``None`` per parameter, e.g. what a module's ``.grad`` holds;
+    ``donate=True``: added in place). ``currents=None``: the records only.
+
+    Returns, per reduction: the new record, the :class:`~.reduction.ReduceState` to hand on
+    (the tree keeps none) and the new local gradients (``None`` when the reduction landed
+    none, HSDP keeping its partial sum for later, or without ``currents``)."""
+    if currents is not None and len(currents) != len(pendings):
+        raise StateError(
+            f"finish_reductions: {len(currents)} gradient lists for {len(pendings)} reductions"
+        )
+    out: list[Landed] = []
+    for i, pending in enumerate(pendings):
+        current = None if currents is None else currents[i]
+        if isinstance(pending, PendingTreeReduce):
+            new, state = finish_tree_reduce(pending, accumulate=False), ReduceState()
+        else:
+            new, state = finish_reduce(pending, accumulate=False)
+        grads = (
+            None
+            if new.grads is None or current is None
+            else accumulate_local_grads(new, current, donate=donate)
+        )
+        out.append((new, state, grads))
+    return out

@@ -34,6 +34,16 @@ from functional_fsdp.shell.engine import ordering
 pytestmark = pytest.mark.multiprocess
 
 # name -> (the source text replaced, its replacement, the programs that take the path)
+# The reductions' wait on the reduce-scatter stream and its report to a checking runtime.
+_RS_WAIT = (
+    "    with rt.use(rs):\n"
+    "        for pending in {id(p.work): p for p in pendings}.values():  # a bucket's: one\n"
+    "            pending.work.wait()\n"
+    "    if rt.checks:\n        for p in pendings:\n"
+    "            out = p.pieces if isinstance(p, PendingTreeReduce) else p.output\n"
+    "            rt.complete(rs, [p.input, out])\n"
+)
+
 RACES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "copy-in does not wait for the optimizer's writes": (
         "    rt.wait_stream(ci, rt.compute)\n    staged = None\n",
@@ -93,15 +103,13 @@ RACES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("buckets",),
     ),
     "reduced event recorded before the reduce-scatter's wait": (
-        '    rs = rt.side_stream("reduce_scatter")\n    with rt.use(rs):\n'
-        "        pending.work.wait()\n    if rt.checks:\n",
-        '    rs = rt.side_stream("reduce_scatter")\n    early = rt.record(rs)\n'
-        "    with rt.use(rs):\n        pending.work.wait()\n    if False:\n",
+        _RS_WAIT + "    reduced = rt.record(rs)\n",
+        "    reduced = rt.record(rs)\n" + _RS_WAIT,
         ("alone",),
     ),
     "reduce-scatter input freed with no event": (
-        "        rt.free_after(pending.input, [reduced])\n",
-        "        rt.free_after(pending.input, [])\n",
+        "        rt.free_after(t, [reduced])\n",
+        "        rt.free_after(t, [])\n",
         ("alone", "buckets"),
     ),
     "HSDP all-reduce does not wait for the reduce-scatter": (
@@ -110,13 +118,13 @@ RACES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("hsdp",),
     ),
     "compute does not wait for the post-reduce stream": (
-        "    rt.wait_event(rt.compute, rt.record(post))\n    return new, state\n",
-        "    return new, state\n",
+        "    rt.wait_event(rt.compute, rt.record(post))\n    return landed\n",
+        "    return landed\n",
         ("alone",),
     ),
     "compute waits on the reduce-scatter stream under HSDP, not the all-reduce": (
-        "    rt.wait_event(rt.compute, rt.record(post))\n    return new, state\n",
-        "    rt.wait_event(rt.compute, rt.record(rs))\n    return new, state\n",
+        "    rt.wait_event(rt.compute, rt.record(post))\n    return landed\n",
+        "    rt.wait_event(rt.compute, rt.record(rs))\n    return landed\n",
         ("hsdp",),
     ),
     "unsharded buffer freed ignoring the events it was given": (

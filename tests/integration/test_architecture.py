@@ -34,7 +34,8 @@ ALLOWED_INTERNAL = {
     "reproducible": {"errors", "_tree", "layout", "records", "comm", "reduction"},
     "recovery": {"errors", "records", "comm", "transitions"},
     "transitions": {"errors", "_tree", "layout", "records", "reduction", "comm", "codec"},
-    "coalesce": {"errors", "records", "comm", "reduction", "transitions"},
+    # (reproducible: finish_reductions lands a reproducible tree's reduction as it lands others)
+    "coalesce": {"errors", "records", "comm", "reduction", "reproducible", "transitions"},
     "lifecycle": {"errors"},
     "plan": {"coalesce"},
     "traced": {"records"},

@@ -57,6 +57,9 @@ class Reducer(Protocol):
     @property
     def reduce_chain(self) -> Chain: ...
 
+    @property
+    def pending_reduce(self) -> Any: ...
+
     def take_reduce(self, pending: T.PendingReduce) -> None: ...
 
     def alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> Any: ...
@@ -124,7 +127,7 @@ class ReduceBucket:
         members: the groups, in backward order (the last one's post-backward issues).
     """
 
-    __slots__ = ("_columns", "_inputs", "_laid_out", "_send", "members")
+    __slots__ = ("_columns", "_flight", "_inputs", "_laid_out", "_send", "members")
 
     def __init__(self, members: Sequence[Reducer]) -> None:
         self.members = tuple(members)
@@ -135,6 +138,7 @@ class ReduceBucket:
         # them: (world size, total width, dtype), or None when their reduce dtypes differ.
         # Laid out once, not per backward (the layouts change only with the settings).
         self._laid_out: tuple[tuple[Any, ...], tuple[int, int, torch.dtype] | None] | None = None
+        self._flight: tuple[Reducer, ...] = ()  # the members of the reduce-scatter in flight
 
     def columns(self, group: Reducer) -> torch.Tensor | None:
         """``group``'s columns of the bucket's send buffer (allocated by the first member to
@@ -202,11 +206,25 @@ class ReduceBucket:
             )
         for g, p in zip(posted, pendings):
             g.take_reduce(p)
+        self._flight = tuple(posted)
+
+    def landing_with(self, group: Reducer) -> tuple[Reducer, ...]:
+        """The groups whose reductions land with ``group``'s (finished together: one wait,
+        one core call): the members of this bucket's reduce-scatter in flight that still wait
+        for it, when ``group``'s reduction is that one; else ``group`` alone."""
+        flight, mine = self._flight, group.pending_reduce
+        if mine is None or not any(m is group for m in flight):
+            return (group,)
+        self._flight = ()
+        return tuple(
+            m for m in flight if m.pending_reduce is not None and m.pending_reduce.work is mine.work
+        )
 
     def drop(self) -> None:
         """Forget handed-in gradients (``reset_iter_state``: the step is abandoned)."""
         self._inputs.clear()
         self._send = None
+        self._flight = ()
 
 
 def _wire(req: tuple[GatherSlot, ShardedState, int]) -> torch.dtype:

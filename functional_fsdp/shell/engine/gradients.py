@@ -17,7 +17,7 @@ only the group's modules write them (``tests/integration/test_architecture.py``)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -357,16 +357,19 @@ class GroupGradients:
 
     @traced("post_backward_rs_wait")
     def finish_reduce(self) -> None:
-        """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``.
+        """Wait for the reduce-scatter in flight and accumulate into each parameter's ``.grad``
+        (with the other members of its bucket, which share the collective: they land
+        together).
 
         ``.grad`` is the one place the module path keeps gradients (the cell's record holds
         none): the core adds the reduced shards to it, in place (donated), on the post-reduce
-        stream; compute waits for it (:func:`.ordering.finish_reduce`).
+        stream; compute waits for it (:func:`finish_together`).
         """
-        pending, self.pending_reduce = self.pending_reduce, None
-        if pending is None:
+        if self.pending_reduce is None:
             return
-        self._adopt_reduce_state(ordering.finish_reduce(self.runtime, pending, self._land_grads)[1])
+        bucket = self.reduce_bucket
+        together = (self,) if bucket is None else bucket.landing_with(self)
+        finish_together(cast("Sequence[GroupGradients]", together))
 
     def _adopt_reduce_state(self, after: T.ReduceState) -> None:
         """Keep what a finished reduction hands on (its residual, its partial sum). Only
@@ -377,16 +380,36 @@ class GroupGradients:
         if after.residual is not rs.residual or after.partial is not rs.partial:
             self.reduce_state = attrs.evolve(rs, residual=after.residual, partial=after.partial)
 
-    def _land_grads(self, new: ShardedState) -> list[torch.Tensor]:
-        """Add the reduced shards of ``new`` to each parameter's ``.grad``; the ``.grad``
-        tensors written in place."""
-        if new.grads is None:
-            return []
-        current = [sp.grad_local() for sp in self.sharded_params]
-        grads = T.accumulate_local_grads(new, current, donate=True)
-        for sp, g, prev in zip(self.sharded_params, grads, current):
+
+def finish_together(groups: Sequence[GroupGradients]) -> None:
+    """Finish the reductions in flight of ``groups``, which land together (a bucket's members
+    share one collective; or one group): one wait, one core call that finishes each into its
+    parameters' ``.grad`` (added in place: donated), each group keeping what its reduction
+    hands on (:func:`.ordering.finish_reductions`)."""
+    pendings: list[T.PendingReduce | PendingTreeReduce] = []
+    for g in groups:
+        assert g.pending_reduce is not None
+        pendings.append(g.pending_reduce)
+        g.pending_reduce = None
+    currents = [[sp.grad_local() for sp in g.sharded_params] for g in groups]
+
+    def land(i: int, grads: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+        current = currents[i]
+        for sp, g, prev in zip(groups[i].sharded_params, grads, current):
             sp.land_grad(g, prev)
         return [c for c in current if c is not None]
+
+    try:
+        landed = ordering.finish_reductions(groups[0].runtime, pendings, currents, land)
+    except BaseException:
+        # The wait failed (a peer aborted, a timeout): as far as anyone knows the collective
+        # is still in flight, so each group keeps its part for reset_iter_state to abandon
+        # (its buffers stay referenced, never freed under a late write).
+        for g, p in zip(groups, pendings):
+            g.pending_reduce = p
+        raise
+    for g, (_, state, _) in zip(groups, landed):
+        g._adopt_reduce_state(state)
 
 
 class ReduceChain:

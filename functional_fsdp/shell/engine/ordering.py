@@ -37,18 +37,19 @@ import attrs
 import torch
 
 from ...core import transitions as T
-from ...core.coalesce import begin_unshard_coalesced, issue_reduce_coalesced
+from ...core.coalesce import Landed, begin_unshard_coalesced, issue_reduce_coalesced
+from ...core.coalesce import finish_reductions as finish_landed
 from ...core.codec import GatherCodec
 from ...core.comm import Communicator
 from ...core.records import PostForwardState, ShardedState
-from ...core.reduction import NO_REDUCE_STATE
-from ...core.reproducible import PendingTreeReduce, finish_tree_reduce
+from ...core.reproducible import PendingTreeReduce
 from ..device.runtime import DeviceRuntime, Event, Stream
 
 __all__ = [
     "consumers_done",
     "copy_out_stream",
     "finish_reduce",
+    "finish_reductions",
     "free_buffers",
     "gather_done",
     "host_may_write_shards",
@@ -424,39 +425,49 @@ def issue_tree_reduce(
     return pending
 
 
-def finish_reduce(
+def finish_reduce(rt: DeviceRuntime, pending: Reduction) -> tuple[ShardedState, T.ReduceState]:
+    """One reduction's :func:`finish_reductions`, landing nowhere: the core's new record and
+    the reduction's state for the next one (none for the reproducible tree)."""
+    new, state, _ = finish_reductions(rt, [pending])[0]
+    return new, state
+
+
+def finish_reductions(
     rt: DeviceRuntime,
-    pending: Reduction,
-    land: Callable[[ShardedState], Sequence[torch.Tensor]] | None = None,
-) -> tuple[ShardedState, T.ReduceState]:
-    """Wait for the reduction on its stream, free its packed input after it, and finish it
-    (HSDP all-reduce, post-divide, split, cast: the core) on the post-reduce stream, where
-    ``land(new)`` puts the shards where they go (returning the tensors it wrote in place);
-    compute waits for all of it. Returns the core's new record and the reduction's state for
-    the next one (none for the reproducible tree)."""
+    pendings: Sequence[Reduction],
+    currents: Sequence[Sequence[torch.Tensor | None]] | None = None,
+    land: Callable[[int, tuple[torch.Tensor | None, ...]], Sequence[torch.Tensor]] | None = None,
+) -> list[Landed]:
+    """Reductions that land together (a bucket's members share one collective; or one
+    group's): wait for their collective on its stream (once), free their packed input after
+    it, and finish them on the post-reduce stream (HSDP all-reduce, post-divide, split, cast,
+    and the addition into ``currents[i]``, each group's local ``.grad`` tensors, donated: one
+    core call, :func:`~functional_fsdp.core.coalesce.finish_reductions`), where
+    ``land(i, grads)`` puts reduction ``i``'s new local gradients where they go (returning the
+    tensors it wrote in place); compute waits for all of it. Returns the core's answers."""
     rs = rt.side_stream("reduce_scatter")
     with rt.use(rs):
-        pending.work.wait()
+        for pending in {id(p.work): p for p in pendings}.values():  # a bucket's: one
+            pending.work.wait()
     if rt.checks:
-        out = pending.pieces if isinstance(pending, PendingTreeReduce) else pending.output
-        rt.complete(rs, [pending.input, out])
+        for p in pendings:
+            out = p.pieces if isinstance(p, PendingTreeReduce) else p.output
+            rt.complete(rs, [p.input, out])
     reduced = rt.record(rs)
-    if pending.input is not None:
-        rt.free_after(pending.input, [reduced])
+    for t in {id(p.input): p.input for p in pendings if p.input is not None}.values():
+        rt.free_after(t, [reduced])
     post = rs
-    if pending.replicate_comm is not None:
+    if any(p.replicate_comm is not None for p in pendings):
         post = rt.side_stream("all_reduce")
         rt.wait_stream(post, rs)
     with rt.use(post):
-        if isinstance(pending, PendingTreeReduce):
-            new, state = finish_tree_reduce(pending, accumulate=False), NO_REDUCE_STATE
-        else:
-            new, state = T.finish_reduce(pending, accumulate=False)
-        wrote = land(new) if land is not None else ()
-        if rt.checks:
-            _annotate_post_reduce(rt, post, pending, new, wrote)
+        landed = finish_landed(pendings, currents, donate=True)
+        for i, (new, _, grads) in enumerate(landed):
+            wrote = land(i, grads) if land is not None and grads is not None else ()
+            if rt.checks:
+                _annotate_post_reduce(rt, post, pendings[i], new, wrote)
     rt.wait_event(rt.compute, rt.record(post))
-    return new, state
+    return landed
 
 
 def _annotate_post_reduce(
