@@ -76,6 +76,7 @@ class GroupGradients:
     # ... and the methods it calls
     configure: Callable[..., None]
     base_comms: Callable[[], list[ProcessGroupComm]]
+    abandon_reduction: Callable[[Any], None]
 
     def _init_gradients(self) -> None:
         """No gradients yet (``ParamGroup.__init__``, once its settings and communicators are
@@ -402,11 +403,11 @@ def finish_together(groups: Sequence[GroupGradients]) -> None:
     try:
         landed = ordering.finish_reductions(groups[0].runtime, pendings, currents, land)
     except BaseException:
-        # The wait failed (a peer aborted, a timeout): as far as anyone knows the collective
-        # is still in flight, so each group keeps its part for reset_iter_state to abandon
-        # (its buffers stay referenced, never freed under a late write).
+        # A wait failed (a peer aborted, a timeout), an all-reduce hook or an HSDP all-reduce
+        # raised: the step is broken. No part is finished again (some may have landed), and
+        # each stays referenced until its collective can no longer write into its buffers.
         for g, p in zip(groups, pendings):
-            g.pending_reduce = p
+            g.abandon_reduction(p)
         raise
     for g, (_, state, _) in zip(groups, landed):
         g._adopt_reduce_state(state)

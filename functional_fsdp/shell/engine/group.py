@@ -488,6 +488,11 @@ class ParamGroup(GroupGradients, GroupLending):
         self._abandoned.keep(kept, self.slot.landings)
         self.pending_reduce = None
 
+    def abandon_reduction(self, pending: Any) -> None:
+        """A reduction whose finish failed: never finished again, kept referenced (its
+        buffers) until its collective is known complete (:mod:`.abandoned`)."""
+        self._abandoned.keep([pending], self.slot.landings)
+
     def discard_pending(self) -> None:
         """Drop an all-gather that was prefetched but not used (it may now be stale)."""
         self.slot.discard()
