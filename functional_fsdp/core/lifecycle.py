@@ -590,7 +590,8 @@ class RootPhase:
         in_forward: a forward through the root is running (prefetch follows the recorded
             order only then).
         callback_queued: the backward began and its final callback is queued.
-        interrupted: a forward raised since the last reset.
+        interrupted: a forward, or the final callback's finishing, raised since the last
+            reset.
         order_recorded: the first forward recorded the order groups run in.
     """
 
@@ -609,6 +610,7 @@ class RootEvent(enum.Enum):
     FORWARD_REFUSED = "a forward was refused in its pre-forward (nothing started)"
     BACKWARD_BEGINS = "a group's pre-backward"
     FINAL_CALLBACK = "the backward's final callback"
+    FINISH_RAISED = "finishing the groups' backward (the final callback's work) raised"
     RESET = "reset_iter_state()"
 
 
@@ -625,9 +627,10 @@ class RootAct(enum.Enum):
 def advance_root(p: RootPhase, e: RootEvent) -> tuple[RootPhase, tuple[RootAct, ...]]:
     """The root's phase after ``e`` and the actions that carry it out, in order.
 
-    A forward that begins while the previous forward raised, or while a backward's callback
-    is still queued (a backward that raised before it ran), first resets: every rank then does
-    what ``reset_iter_state()`` does, and the forward starts clean.
+    A forward that begins while the previous forward raised, while a backward's callback is
+    still queued (a backward that raised before it ran), or after the callback's finishing
+    raised (a reduction that could not land), first resets: every rank then does what
+    ``reset_iter_state()`` does, and the forward starts clean.
     """
     if e is RootEvent.FORWARD_BEGINS:
         acts: tuple[RootAct, ...] = ()
@@ -637,7 +640,7 @@ def advance_root(p: RootPhase, e: RootEvent) -> tuple[RootPhase, tuple[RootAct, 
         return new, acts + (RootAct.START_ITERATIONS,)
     if e is RootEvent.FORWARD_ENDS:
         return attrs.evolve(p, in_forward=False, order_recorded=True), (RootAct.FORGET_PREFETCHES,)
-    if e is RootEvent.FORWARD_RAISED:
+    if e is RootEvent.FORWARD_RAISED or e is RootEvent.FINISH_RAISED:
         return attrs.evolve(p, interrupted=True), _NO_ROOT_ACTS
     if e is RootEvent.FORWARD_REFUSED:
         return attrs.evolve(p, in_forward=False), _NO_ROOT_ACTS

@@ -478,3 +478,34 @@ def test_hook_failing_on_one_rank_never_hangs(world2: World) -> None:
     assert r0["errors"] == ["CollectiveError"], r0
     assert r1["errors"] and r1["errors"][0] in ("PeerAbortedError", "CollectiveTimeoutError"), r1
     assert r0["all_reduce"] == r1["all_reduce"] == 2.0
+
+
+def case_hook_failing_in_the_final_callback() -> dict:
+    """The root's all-reduce hook raises on every rank. The root's reduction is the last of
+    the backward, so it lands in the final callback: the backward raises there. With no
+    ``reset_iter_state()`` the next forward must reset by itself and train as a fresh
+    model."""
+    from functional_fsdp import errors
+
+    ref_losses = _train(_build("ours"))
+    model = _build("ours")
+    armed = [True]
+
+    def hook(t: torch.Tensor) -> None:
+        if armed[0]:
+            raise ValueError("injected in the final callback")
+
+    model.set_all_reduce_hook(hook)
+    x, y = synthetic_batch(CFG, 2, seed=99 + dist.get_rank())
+    raised = _expect(errors.CollectiveError, lambda: model.loss(x, y).backward())
+    # The root's iteration records the failure (the callback is no longer queued to say so).
+    interrupted = model._ffsdp_state.root_phase.interrupted
+    armed[0] = False
+    model.zero_grad(set_to_none=True)
+    return {"raised": raised, "interrupted": interrupted, "recovered": _train(model) == ref_losses}
+
+
+def test_a_hook_failing_in_the_final_callback_resets_at_the_next_forward(world2: World) -> None:
+    for r in world2.run(case_hook_failing_in_the_final_callback, timeout=120):
+        assert "injected in the final callback" in r["raised"], r
+        assert r["interrupted"] and r["recovered"], r

@@ -425,9 +425,9 @@ def test_model_checking_catches_a_leaked_buffer(monkeypatch: pytest.MonkeyPatch)
 
 @given(events=st.lists(st.sampled_from(list(L.RootEvent)), max_size=30))
 def test_the_root_resets_a_raised_iteration_before_the_next_forward(events: list) -> None:
-    """Over any sequence of root events: a forward that begins after a raised forward, or
-    while a backward's callback is queued, resets first; one callback is queued per backward;
-    a reset keeps only the recorded order."""
+    """Over any sequence of root events: a forward that begins after a raised forward or a
+    raised finish, or while a backward's callback is queued, resets first; one callback is
+    queued per backward; a reset keeps only the recorded order."""
     p = L.RootPhase()
     for e in events:
         q, acts = L.advance_root(p, e)
@@ -439,5 +439,7 @@ def test_the_root_resets_a_raised_iteration_before_the_next_forward(events: list
             assert q.callback_queued
         if e is L.RootEvent.RESET:
             assert q == L.RootPhase(order_recorded=p.order_recorded)
+        if e in (L.RootEvent.FORWARD_RAISED, L.RootEvent.FINISH_RAISED):
+            assert q.interrupted and not acts
         assert q.order_recorded >= p.order_recorded  # once recorded, the order stays
         p = q

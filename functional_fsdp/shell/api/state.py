@@ -446,6 +446,15 @@ class FSDPState:
 
     def _finish_backward(self) -> None:
         self._root_event(RootEvent.FINAL_CALLBACK)  # FINISH_GROUPS: the rest of this method
+        try:
+            self._finish_groups()
+        except BaseException:
+            # A reduction could not land (a peer left, a hook raised): the callback is no
+            # longer queued, so say so, and the next forward resets first.
+            self._root_event(RootEvent.FINISH_RAISED)
+            raise
+
+    def _finish_groups(self) -> None:
         if self._plan is not None:
             for bucket in self._plan.reduce_buckets:  # members that got no gradient
                 bucket.flush()
