@@ -25,6 +25,7 @@ from strategies import param_trees, world_sizes
 from functional_fsdp._compat import HAS_SWAP_DATA_PTR
 from functional_fsdp.core.coalesce import (
     begin_unshard_coalesced,
+    finish_reductions,
     issue_reduce_coalesced,
     lands_by_member,
     packs_members,
@@ -32,7 +33,7 @@ from functional_fsdp.core.coalesce import (
 )
 from functional_fsdp.core.codec import wire
 from functional_fsdp.core.errors import StateError
-from functional_fsdp.core.reduction import pack_grads, reduce_input
+from functional_fsdp.core.reduction import pack_grads, reduce_grad, reduce_input
 from functional_fsdp.core.transitions import finish_unshard, shard, unshard
 from functional_fsdp.testing import SimulatedWorld
 
@@ -574,6 +575,46 @@ def test_members_packed_into_one_send_buffer_reduce_the_same(
         assert sent_buffer or ws == 1 or sum(sizes) == 0
         for x, y in zip(outs_alone, outs_joined):
             assert torch.equal(x, y)
+
+
+@given(
+    trees=st.lists(param_trees(dtypes=[torch.float32], max_leaves=3), min_size=1, max_size=3),
+    ws=world_sizes(),
+    seed=st.integers(0, 2**16),
+)
+def test_a_bucket_lands_together_as_each_member_alone(trees: list[Any], ws: int, seed: int) -> None:
+    """``finish_reductions`` lands a bucket's members (one reduce-scatter) into their current
+    local gradients, added in place when donated: the same bits as each member's own
+    ``reduce_grad`` added to its gradients; without currents, the records only."""
+    grads = [[random_like(t, seed + 7 * r + m) for m, t in enumerate(trees)] for r in range(ws)]
+
+    def rank(c: Any, gs: list[Any]) -> tuple[list[Any], list[Any], list[bool], list[Any]]:
+        states = [shard(t, world_size=ws, rank=c.rank) for t in trees]
+        alone = [reduce_grad(g, s, c) for g, s in zip(gs, states)]
+        currents = [[torch.ones_like(lg) for lg in _locals(a)] for a in alone]
+        before = [list(cur) for cur in currents]
+        pendings = issue_reduce_coalesced(
+            [reduce_input(g, s, c) for g, s in zip(gs, states)], c, async_op=False
+        )
+        landed = finish_reductions(pendings, currents, donate=True)
+        want = [[lg + 1 for lg in _locals(a)] for a in alone]
+        got = [list(grads) for _, _, grads in landed]
+        in_place = [all(x is y for x, y in zip(g, b)) for g, b in zip(got, before)]
+        bare = finish_reductions(
+            issue_reduce_coalesced(
+                [reduce_input(g, s, c) for g, s in zip(gs, states)], c, async_op=False
+            )
+        )
+        return want, got, in_place, [grads for _, _, grads in bare]
+
+    for want, got, in_place, bare in SimulatedWorld(ws).run(rank, grads):
+        assert all(in_place) and all(b is None for b in bare)
+        for w, g in zip(want, got):
+            assert all(torch.equal(x, y) for x, y in zip(w, g))
+
+
+def _locals(s: Any) -> list[torch.Tensor]:
+    return [s.local_grad(i) for i in range(len(s.layout))]
 
 
 @given(
