@@ -38,6 +38,7 @@ from .comm import Communicator, PiecesCommunicator, Work, check_comm, work_done
 from .errors import StateError
 from .records import GroupLayout, ShardedState
 from .reduction import (
+    NO_REDUCE_STATE,
     PendingReduce,
     ReduceInput,
     ReduceState,
@@ -565,7 +566,7 @@ def finish_reductions(
     for i, pending in enumerate(pendings):
         current = None if currents is None else currents[i]
         if isinstance(pending, PendingTreeReduce):
-            new, state = finish_tree_reduce(pending, accumulate=False), ReduceState()
+            new, state = finish_tree_reduce(pending, accumulate=False), NO_REDUCE_STATE
         else:
             new, state = finish_reduce(pending, accumulate=False)
         grads = (

@@ -252,11 +252,8 @@ def hold_unsynced(
         )
     rdtype = layout.grad_reduce_dtype()
     held = reduce_state.unsynced or (None,) * len(grads)
-    new = tuple(
-        a if g is None else (g.to(rdtype, copy=True) if a is None else a.add_(g))
-        for a, g in zip(held, grads)
-    )
-    return attrs.evolve(reduce_state, unsynced=new)
+    new = _added(held, grads, lambda g: g.to(rdtype, copy=True))
+    return attrs.evolve(reduce_state, unsynced=tuple(new))
 
 
 def release_unsynced(
@@ -272,8 +269,17 @@ def release_unsynced(
         raise LayoutMismatchError(
             f"release_unsynced: {len(grads)} gradients for {len(held)} held ones"
         )
-    merged = [a if g is None else (g if a is None else a.add_(g)) for a, g in zip(held, grads)]
-    return merged, attrs.evolve(reduce_state, unsynced=None)
+    return _added(held, grads, lambda g: g), attrs.evolve(reduce_state, unsynced=None)
+
+
+def _added(
+    held: Sequence[torch.Tensor | None],
+    grads: Sequence[torch.Tensor | None],
+    first: Callable[[torch.Tensor], torch.Tensor],
+) -> list[torch.Tensor | None]:
+    """Per parameter: ``grads[i]`` added into ``held[i]`` (*donated*: in place); a gradient
+    with nothing held becomes ``first(grad)``; ``None`` where neither has one."""
+    return [a if g is None else (first(g) if a is None else a.add_(g)) for a, g in zip(held, grads)]
 
 
 @attrs.frozen(eq=False)

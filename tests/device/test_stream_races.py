@@ -40,8 +40,7 @@ _RS_WAIT = (
     "        for pending in {id(p.work): p for p in pendings}.values():  # a bucket's: one\n"
     "            pending.work.wait()\n"
     "    if rt.checks:\n        for p in pendings:\n"
-    "            out = p.pieces if isinstance(p, PendingTreeReduce) else p.output\n"
-    "            rt.complete(rs, [p.input, out])\n"
+    "            rt.complete(rs, [p.input, _reduced(p)])\n"
 )
 
 RACES: dict[str, tuple[str, str, tuple[str, ...]]] = {

@@ -12,8 +12,9 @@ bucket does during a step:
   copy-in runs at once, on compute, and frees autograd's gradients); the last member's
   issues one reduce-scatter for all, and every member gets its part as its reduction in
   flight; the first member to finish its reduction finishes every member still waiting on the
-  collective (they land together: one wait, one core call, :func:`.gradients.finish_together`). The root's final callback flushes a bucket
-  some members of which got no gradient this step. A member whose post-backward runs again
+  collective (they land together: one wait, one core call,
+  :func:`.gradients.finish_together`). The root's final callback flushes a bucket some
+  members of which got no gradient this step. A member whose post-backward runs again
   before the bucket went out (a module called twice in one forward) first sends what the
   bucket holds, so each use's gradients are reduced once and add up in ``.grad``.
 """

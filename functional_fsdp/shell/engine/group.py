@@ -784,12 +784,13 @@ class ParamGroup(GroupGradients, GroupLending):
         (cloned), parameters registered on ``holders`` (the copied modules) and lent to
         ``lent`` (the copied modules of other groups that use them), the same mesh and
         communicators (process-group handles, not state), the reduction settings, and copies
-        of the unsharded (no-sync) and sharded gradients and of the reduction's state."""
+        of the sharded gradients and of the reduction's state (the no-sync gradients held
+        there included)."""
         offload = CPUOffloadPolicy() if self.offload else OffloadPolicy()
         settings = {k: getattr(self.config, k) for k in _COPIED_SETTINGS}
         new = ParamGroup(
             self.layout,
-            _copy_record(self.state),
+            tree_map(torch.clone, self.state),  # the shards and sharded gradients, copied
             holders,
             self._requires_grad,
             mesh=self.mesh,
@@ -832,10 +833,3 @@ ParamGroup._CARRY_OUT = {
     Act.HOST_MAY_WRITE: ParamGroup._host_may_write,
     Act.ABANDON: ParamGroup._abandon_iteration,
 }
-
-
-def _copy_record(state: ShardedState) -> ShardedState:
-    grads = None
-    if state.grads is not None:
-        grads = tuple(g.clone() if g is not None else None for g in state.grads)
-    return attrs.evolve(state, flat=state.flat.clone(), grads=grads)

@@ -451,8 +451,7 @@ def finish_reductions(
             pending.work.wait()
     if rt.checks:
         for p in pendings:
-            out = p.pieces if isinstance(p, PendingTreeReduce) else p.output
-            rt.complete(rs, [p.input, out])
+            rt.complete(rs, [p.input, _reduced(p)])
     reduced = rt.record(rs)
     for t in {id(p.input): p.input for p in pendings if p.input is not None}.values():
         rt.free_after(t, [reduced])
@@ -470,6 +469,11 @@ def finish_reductions(
     return landed
 
 
+def _reduced(pending: Reduction) -> torch.Tensor:
+    """Where a reduction's collective writes (the tree's all-to-all: its pieces)."""
+    return pending.pieces if isinstance(pending, PendingTreeReduce) else pending.output
+
+
 def _annotate_post_reduce(
     rt: DeviceRuntime,
     post: Stream,
@@ -477,7 +481,7 @@ def _annotate_post_reduce(
     new: ShardedState,
     wrote: Sequence[torch.Tensor],
 ) -> None:
-    out = pending.pieces if isinstance(pending, PendingTreeReduce) else pending.output
+    out = _reduced(pending)
     partial = None if isinstance(pending, PendingTreeReduce) else pending.reduce_state.partial
     reads = [out] if partial is None else [out, partial]
     made = [g for g in new.grads or () if g is not None]
