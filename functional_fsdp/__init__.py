@@ -34,6 +34,7 @@ _PUBLIC: dict[str, tuple[str, str | None]] = {
     "UnshardedState": (".core.records", "UnshardedState"),
     "GradCompression": (".core.compression", "GradCompression"),
     "Communicator": (".core.comm", "Communicator"),
+    "CommCapabilities": (".core.comm", "CommCapabilities"),
     "Work": (".core.comm", "Work"),
     "shard": (".core.transitions", "shard"),
     "unshard": (".core.transitions", "unshard"),

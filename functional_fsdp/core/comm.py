@@ -19,22 +19,28 @@ protocol: that costs about 20 microseconds per collective on Python 3.11.) Every
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast, runtime_checkable
 
+import attrs
 import torch
 
 from .errors import MeshError
 
 __all__ = [
+    "PLAIN_COMM",
+    "CommCapabilities",
     "Communicator",
     "DoneWork",
     "PiecesCommunicator",
+    "ScopedCommunicator",
     "ThenWork",
     "Work",
+    "capabilities",
     "check_comm",
     "coalesces",
     "collective_or_copy",
+    "scoped_view",
     "uses_pieces",
     "work_done",
 ]
@@ -112,6 +118,47 @@ def coalesces(comm: object) -> bool:
     return bool(getattr(comm, "coalesces", False))
 
 
+@attrs.frozen
+class CommCapabilities:
+    """What a communicator can do beyond the :class:`Communicator` protocol, declared as its
+    optional ``capabilities`` attribute, so that callers read a flag instead of testing the
+    communicator's class.
+
+    Attributes:
+        scoped: its collectives carry one parameter group's key and name (its ``name`` may be
+            set, and collective errors name it), and it gives views with tags of their own:
+            ``for_summon()`` (``summon_full_params``) and ``for_bucket(names)`` (several
+            groups' collectives run as one).
+        custom_all_gather: its all-gathers run through a user's FSDP2 ``AllGather`` object.
+        custom_reduce_scatter: its reduce-scatters run through a user's FSDP2
+            ``ReduceScatter`` object.
+    """
+
+    scoped: bool = False
+    custom_all_gather: bool = False
+    custom_reduce_scatter: bool = False
+
+    @property
+    def custom(self) -> bool:
+        """Whether any of its collectives is a user's object."""
+        return self.custom_all_gather or self.custom_reduce_scatter
+
+
+PLAIN_COMM = CommCapabilities()
+"""A communicator that declares nothing beyond the protocol (the simulated world, a user's)."""
+
+
+def capabilities(comm: object) -> CommCapabilities:
+    """What ``comm`` declares (:class:`CommCapabilities`; :data:`PLAIN_COMM` when it declares
+    nothing, or for ``None``)."""
+    return cast(CommCapabilities, getattr(comm, "capabilities", PLAIN_COMM))
+
+
+def scoped_view(comm: object) -> ScopedCommunicator | None:
+    """``comm`` as a :class:`ScopedCommunicator` when it declares ``scoped``, else ``None``."""
+    return cast(ScopedCommunicator, comm) if capabilities(comm).scoped else None
+
+
 @runtime_checkable
 class Communicator(Protocol):
     """Collectives over one group of ranks.
@@ -161,6 +208,21 @@ class Communicator(Protocol):
 
 
 @runtime_checkable
+class ScopedCommunicator(Communicator, Protocol):
+    """A :class:`Communicator` that declares ``CommCapabilities(scoped=True)``: one parameter
+    group's view of a shared communicator."""
+
+    name: str | None
+
+    def for_summon(self) -> ScopedCommunicator:
+        """The same group's view with tags of its own, for ``summon_full_params``."""
+        ...
+
+    def for_bucket(self, names: Sequence[str | None]) -> ScopedCommunicator:
+        """A view for one collective run by the groups ``names`` together (a bucket)."""
+        ...
+
+
 class PiecesCommunicator(Communicator, Protocol):
     """A :class:`Communicator` that also moves lists of tensors ("pieces") in one collective.
 

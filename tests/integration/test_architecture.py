@@ -624,3 +624,44 @@ def test_control_state_checker_sees_writes() -> None:
     src = "def f(g):\n    g.ran_forward = True\n    g.phase, x = 1, 2\n    g.forward_done += 1\n"
     found = {(fn, attr) for fn, attr, _ in _assigned_attributes(ast.parse(src))}
     assert {("f", "ran_forward"), ("f", "phase"), ("f", "forward_done")} <= found
+
+
+COMM_CLASSES = {"ScopedComm", "CustomCollectiveComm", "ProcessGroupComm", "SimulatedComm"}
+
+
+def _class_tests(tree: ast.AST) -> list[tuple[str, int]]:
+    """``isinstance(x, C)`` calls in ``tree`` whose class (or one of a tuple's) is a
+    communicator class: ``(class, line)``."""
+    found = []
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"):
+            continue
+        if len(node.args) != 2:
+            continue
+        kinds = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+        for k in kinds:
+            name = k.id if isinstance(k, ast.Name) else getattr(k, "attr", None)
+            if name in COMM_CLASSES:
+                found.append((name, node.lineno))
+    return found
+
+
+def test_communicators_declare_capabilities_instead_of_being_tested_for_their_class() -> None:
+    """Outside ``shell/comm/`` (where the communicator classes live) nothing asks a
+    communicator's class: it reads ``capabilities(comm)`` (``CommCapabilities``), ``coalesces``,
+    ``supports_pieces`` or ``base``, so a new communicator works by declaring them."""
+    bad = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("shell/comm/"):
+            continue
+        bad += [
+            f"{rel}:{line} isinstance(..., {c})"
+            for c, line in _class_tests(ast.parse(path.read_text()))
+        ]
+    assert not bad, f"read capabilities(comm) instead: {bad}"
+
+
+def test_class_test_checker_sees_tests() -> None:
+    src = "def f(c):\n    return isinstance(c, (int, ScopedComm)) or isinstance(c, m.CustomCollectiveComm)\n"
+    assert {c for c, _ in _class_tests(ast.parse(src))} == {"ScopedComm", "CustomCollectiveComm"}

@@ -20,9 +20,10 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor
 
 from ...core.coalesce import CommunicationSchedule
+from ...core.comm import capabilities
 from ...core.compression import GradCompression
 from ...core.errors import PolicyError, StateError, UnsupportedError
-from ..comm.custom import CustomCollectiveComm, check_custom_comm
+from ..comm.custom import check_custom_comm
 from ..engine.group import ParamGroup
 from .deepcopy import deepcopy_fsdp_module
 from .finalization import (
@@ -350,8 +351,7 @@ class FSDPModule(TorchFSDPModule):
             )
         groups = list(_groups(self, recurse))  # type: ignore[arg-type]
         for g in groups:
-            custom = isinstance(g.comm, CustomCollectiveComm) and g.comm.reduce_scatter_comm
-            if compression is not None and custom:
+            if compression is not None and capabilities(g.comm).custom_reduce_scatter:
                 raise PolicyError(
                     f"set_gradient_compression: group {g.name!r} has a custom reduce-scatter "
                     "(set_custom_reduce_scatter); remove it first (set_custom_reduce_scatter"
@@ -471,7 +471,7 @@ class FSDPModule(TorchFSDPModule):
         g = self._ffsdp_state.group
         if g is None:
             return
-        if isinstance(g.comm, CustomCollectiveComm):
+        if capabilities(g.comm).custom:
             raise PolicyError(
                 "cannot call set_allocate_memory_from_process_group_for_comm() when a custom "
                 "all-gather or reduce-scatter is set (set_custom_all_gather / "

@@ -46,11 +46,10 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from ...core.comm import Communicator, DoneWork, ThenWork, Work, work_done
+from ...core.comm import CommCapabilities, Communicator, DoneWork, ThenWork, Work, work_done
 from ...core.errors import CollectiveError, LayoutMismatchError, PolicyError
 from ...core.reduction import PendingReduce
 from .process_group import ProcessGroupComm
-from .scoped import ScopedComm
 
 __all__ = ["CustomCollectiveComm", "check_custom_comm", "unwrap", "with_all_reduce_hook"]
 
@@ -76,10 +75,9 @@ def unwrap(comm: Communicator) -> Communicator:
 
 
 def base_comm(comm: Any) -> ProcessGroupComm | None:
-    """The shared process-group communicator under scoped/custom wrappers, or ``None``."""
-    while isinstance(comm, (CustomCollectiveComm, ScopedComm)):
-        comm = comm.base if isinstance(comm, ScopedComm) else comm.inner
-    return comm if isinstance(comm, ProcessGroupComm) else None
+    """The shared process-group communicator under scoped/custom wrappers (their ``base``; a
+    :class:`ProcessGroupComm` is its own), or ``None`` (the simulated world, a user's)."""
+    return getattr(comm, "base", None)
 
 
 def _abort_peers(bases: Sequence[ProcessGroupComm]) -> None:
@@ -185,6 +183,14 @@ class CustomCollectiveComm(_Delegating):
         self.all_gather_comm = all_gather
         self.reduce_scatter_comm = reduce_scatter
         self.name = name
+
+    @property
+    def capabilities(self) -> CommCapabilities:
+        """Which of its collectives are the user's (:class:`CommCapabilities`)."""
+        return CommCapabilities(
+            custom_all_gather=self.all_gather_comm is not None,
+            custom_reduce_scatter=self.reduce_scatter_comm is not None,
+        )
 
     @property
     def group(self) -> Any:

@@ -144,6 +144,12 @@ class ProcessGroupComm:
             watchdog.start()  # what this rank does, for peers that wait for it
 
     @property
+    def base(self) -> ProcessGroupComm:
+        """The shared process-group communicator: itself (a scoped or custom view's ``base``
+        is the one it runs on)."""
+        return self
+
+    @property
     def supports_pieces(self) -> bool:
         """Whether the pieces collectives are native here (point-to-point on gloo)."""
         return self._p2p

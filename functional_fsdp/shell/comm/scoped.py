@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ...core.comm import Work
+from ...core.comm import CommCapabilities, Work, capabilities
 from .process_group import LIVE, ProcessGroupComm
 
 __all__ = ["ScopedComm", "introduce", "resync", "scoped"]
@@ -42,7 +42,7 @@ def introduce(named: Sequence[tuple[str, Sequence[Any]]]) -> None:
     bases: list[ProcessGroupComm] = []
     for label, comms in named:
         for c in comms:
-            while c is not None and not isinstance(c, ScopedComm):
+            while c is not None and not capabilities(c).scoped:
                 c = getattr(c, "inner", None)
             if c is None:
                 continue
@@ -68,6 +68,7 @@ class ScopedComm:
         world_size: ranks in the group.
     """
 
+    capabilities = CommCapabilities(scoped=True)
     supports_pieces: bool
     pieces_min_bytes: int
     rank: int

@@ -28,9 +28,8 @@ from typing import Any, Protocol
 import torch
 
 from ...core import transitions as T
-from ...core.comm import Communicator
+from ...core.comm import Communicator, scoped_view
 from ...core.records import ShardedState
-from ..comm.scoped import ScopedComm
 from ..device.runtime import DeviceRuntime
 from . import ordering
 from .gather import GatherSlot, start_coalesced
@@ -116,9 +115,10 @@ def bucket_comm(members: Sequence[Reducer]) -> Communicator:
     (:meth:`~functional_fsdp.shell.comm.scoped.ScopedComm.for_bucket`); a bucket of one is
     that group's own collective."""
     comm = members[0].comm
-    if len(members) > 1 and isinstance(comm, ScopedComm):
-        names = [m.comm.name if isinstance(m.comm, ScopedComm) else m.name for m in members]
-        return comm.for_bucket(names)
+    view = scoped_view(comm)
+    if len(members) > 1 and view is not None:
+        names = [v.name if (v := scoped_view(m.comm)) is not None else m.name for m in members]
+        return view.for_bucket(names)
     return comm
 
 

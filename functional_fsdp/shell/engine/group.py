@@ -33,7 +33,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ...core import transitions as T
 from ...core._tree import tree_map
-from ...core.comm import Communicator, coalesces
+from ...core.comm import Communicator, coalesces, scoped_view
 from ...core.errors import ReproducibilityError
 from ...core.lifecycle import Act, Event, LifecycleConfig, Phase, advance
 from ...core.plan import SharingFacts, gathers_together
@@ -47,7 +47,6 @@ from ...core.records import (
 )
 from ..comm.custom import CustomCollectiveComm, base_comm, unwrap
 from ..comm.process_group import ProcessGroupComm
-from ..comm.scoped import ScopedComm
 from ..device import runtime_for
 from ..device.runtime import DeviceRuntime
 from ..parallel.tensor_parallel import TensorParallelPlan
@@ -139,8 +138,8 @@ class ParamGroup(GroupGradients, GroupLending):
         self.name = name
         self.config = GroupConfig() if config is None else config
         for c in (comm, replicate_comm, sub_comm):
-            if isinstance(c, ScopedComm):
-                c.name = name  # collective errors name the group (schedule.py)
+            if (view := scoped_view(c)) is not None:
+                view.name = name  # collective errors name the group (schedule.py)
         placements, specs = self._dtensor_specs(layout)
         self.sharded_params: tuple[ShardedParam, ...] = tuple(
             ShardedParam(i, s, h, bool(rg), pl, ds, state.local(i))
@@ -282,7 +281,8 @@ class ParamGroup(GroupGradients, GroupLending):
 
     def summon_comm(self) -> Communicator:
         """The shard group's communicator for ``summon_full_params`` (tags of their own)."""
-        return self.comm.for_summon() if isinstance(self.comm, ScopedComm) else self.comm
+        view = scoped_view(self.comm)
+        return self.comm if view is None else view.for_summon()
 
     def comms(self) -> list[Communicator]:
         """The communicators this group's collectives run on (shard, replicate, sub-group)."""
