@@ -19,7 +19,7 @@ import torch
 from ...core.comm import CommCapabilities, Work, capabilities
 from .process_group import LIVE, ProcessGroupComm
 
-__all__ = ["ScopedComm", "introduce", "resync", "scoped"]
+__all__ = ["ScopedComm", "bucket_view", "introduce", "resync", "scoped"]
 
 
 def scoped(base: ProcessGroupComm) -> ScopedComm:
@@ -51,6 +51,19 @@ def introduce(named: Sequence[tuple[str, Sequence[Any]]]) -> None:
                 bases.append(c.base)
     for b in bases:
         b.meet(bases)
+
+
+def bucket_view(comms: Sequence[Any], names: Sequence[str]) -> Any:
+    """The communicator of one collective run by several groups together (a bucket): the
+    first group's scoped view :meth:`~ScopedComm.for_bucket`, named after the groups (their
+    views' names; ``names`` for a communicator without one); the first communicator itself
+    when it is not a scoped view. The engine asks this module rather than the communicator's
+    class."""
+    first = comms[0]
+    if not isinstance(first, ScopedComm):
+        return first
+    shown = [c.name if isinstance(c, ScopedComm) else n for c, n in zip(comms, names)]
+    return first.for_bucket(shown)
 
 
 class ScopedComm:

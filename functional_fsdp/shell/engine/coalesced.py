@@ -28,8 +28,9 @@ from typing import Any, Protocol
 import torch
 
 from ...core import transitions as T
-from ...core.comm import Communicator, scoped_view
+from ...core.comm import Communicator
 from ...core.records import ShardedState
+from ..comm.scoped import bucket_view
 from ..device.runtime import DeviceRuntime
 from . import ordering
 from .gather import GatherSlot, start_coalesced
@@ -111,15 +112,11 @@ def start_together(groups: Sequence[Member]) -> None:
 
 def bucket_comm(members: Sequence[Reducer]) -> Communicator:
     """The communicator a bucket of ``members`` runs on: the first member's process group with
-    tags and a name of its own
-    (:meth:`~functional_fsdp.shell.comm.scoped.ScopedComm.for_bucket`); a bucket of one is
-    that group's own collective."""
-    comm = members[0].comm
-    view = scoped_view(comm)
-    if len(members) > 1 and view is not None:
-        names = [v.name if (v := scoped_view(m.comm)) is not None else m.name for m in members]
-        return view.for_bucket(names)
-    return comm
+    tags and a name of its own (:func:`~functional_fsdp.shell.comm.scoped.bucket_view`); a
+    bucket of one is that group's own collective."""
+    if len(members) == 1:
+        return members[0].comm
+    return bucket_view([m.comm for m in members], [m.name for m in members])
 
 
 class ReduceBucket:
