@@ -193,7 +193,7 @@ def _check_bucket(states: Sequence[ShardedState], comm: Communicator, what: str)
 def begin_unshard_coalesced(
     states: Sequence[ShardedState],
     comm: Communicator,
-    intos: Sequence[torch.Tensor] | None,
+    intos: Sequence[torch.Tensor] | Callable[[], Sequence[torch.Tensor]] | None,
     *,
     async_op: bool = True,
     guard: Callable[[tuple[torch.Tensor, ...]], AbstractContextManager[object]] | None = None,
@@ -219,7 +219,10 @@ def begin_unshard_coalesced(
         states: the members' sharded states, in bucket order (every rank the same).
         comm: the shard group.
         intos: per member, its unsharded buffer (``world_size`` rows of its packing), or
-            ``None``: laid out member by member at landing (see above).
+            ``None``: laid out member by member at landing (see above). A callable giving
+            them is called only when the bucket needs them now (not :func:`lands_by_member`):
+            otherwise the members land one by one, as with ``None``, and each buffer is
+            allocated by its own landing.
         async_op: return before the collective completes.
         guard: a context the copy-out into the buffers runs in (the shell keeps their
             autograd version counters, as for a one-group landing).
@@ -236,7 +239,10 @@ def begin_unshard_coalesced(
             f"codecs (got dtypes {sorted(str(d) for d in dtypes)})"
         )
     if lands_by_member(states, comm):
-        return _gather_peer_rows(states, encoded, comm, intos, async_op, guard, alloc, free)
+        given = None if callable(intos) else intos
+        return _gather_peer_rows(states, encoded, comm, given, async_op, guard, alloc, free)
+    if callable(intos):
+        intos = intos()
     if intos is None:
         raise StateError("coalesced unshard: pass every member's buffer (not a pieces gather)")
     sizes = [e.tensor.numel() for e in encoded]
@@ -293,21 +299,23 @@ def lands_by_member(states: Sequence[ShardedState], comm: Communicator) -> bool:
 
 
 class _BucketRows:
-    """A *handle*: a bucket's received rows (and packed send buffer), handed out member by
-    member (:class:`_MemberRows`), freed once every member has landed or dropped its part."""
+    """A *handle*: a bucket's received rows (and packed send buffer, in the same allocation),
+    handed out member by member (:class:`_MemberRows`), freed once every member has landed or
+    dropped its part."""
 
-    __slots__ = ("_free", "_left", "_work", "rows", "send")
+    __slots__ = ("_free", "_left", "_whole", "_work", "rows", "send")
 
     def __init__(
         self,
         work: Work,
         rows: torch.Tensor,
         send: torch.Tensor | None,
+        whole: torch.Tensor,
         members: int,
         free: Callable[[torch.Tensor], None],
     ) -> None:
         self._work: Work | None = work
-        self.rows, self.send = rows, send
+        self.rows, self.send, self._whole = rows, send, whole
         self._left = members
         self._free = free
 
@@ -326,9 +334,7 @@ class _BucketRows:
         """One member is done with its part; the last frees the rows and the send buffer."""
         self._left -= 1
         if self._left == 0:
-            self._free(self.rows)
-            if self.send is not None:
-                self._free(self.send)
+            self._free(self._whole)
 
 
 class _MemberRows:
@@ -405,13 +411,16 @@ def _gather_peer_rows(
     total, ws, me = sum(sizes), comm.world_size, comm.rank
     first = encoded[0].tensor
     peers = [r for r in range(ws) if r != me]
-    out = (alloc or empty_buffer)(len(peers) * total, first.dtype, first.device)
+    packs = packs_members(comm, [e.tensor.numel() * e.tensor.element_size() for e in encoded])
+    # One allocation: the peers' rows, then (packing) this rank's send row.
+    whole = (alloc or empty_buffer)((len(peers) + packs) * total, first.dtype, first.device)
+    out = whole[: len(peers) * total]
     peer_rows = out.view(len(peers), total)
     parts = list(peer_rows.split(sizes, dim=1))
     outputs: list[list[torch.Tensor]] = [[] for _ in range(ws)]  # none for me: no local copy
     send: torch.Tensor | None = None
-    if packs_members(comm, [e.tensor.numel() * e.tensor.element_size() for e in encoded]):
-        send = (alloc or empty_buffer)(total, first.dtype, first.device)
+    if packs:
+        send = whole[len(peers) * total :]
         torch.cat([e.tensor for e in encoded], out=send)
         for k, r in enumerate(peers):
             outputs[r] = [peer_rows[k]]
@@ -422,7 +431,7 @@ def _gather_peer_rows(
         inputs = [e.tensor for e in encoded]
     work = cast(PiecesCommunicator, comm).all_gather_pieces(outputs, inputs, async_op=async_op)
     if intos is None:
-        bucket = _BucketRows(work, out, send, len(states), free or _free)
+        bucket = _BucketRows(work, out, send, whole, len(states), free or _free)
         shares = [
             _MemberRows(bucket, s.layout, me, e.tensor, part)
             for s, e, part in zip(states, encoded, parts)
@@ -437,9 +446,7 @@ def _gather_peer_rows(
         with contextlib.nullcontext() if guard is None else guard(tuple(intos)):
             for s, e, part, into in zip(states, encoded, parts, intos):
                 _lay_out_member(s.layout, me, e.tensor, part, into)
-        (free or _free)(out)
-        if send is not None:
-            (free or _free)(send)
+        (free or _free)(whole)
 
     shared = CoalescedWork(work, hand_out)
     return [

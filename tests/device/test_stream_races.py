@@ -57,11 +57,13 @@ RACES: dict[str, tuple[str, str, tuple[str, ...]]] = {
     ),
     "gathered event recorded before the all-gather's wait": (
         '    ag = rt.side_stream("all_gather")\n    with rt.use(ag):\n        pending.work.wait()\n'
-        "    if rt.checks:\n        rt.complete(ag, _gather_buffers(pending))\n"
-        "    return rt.record(ag)\n",
-        '    ag = rt.side_stream("all_gather")\n    event = rt.record(ag)\n'
+        "    if rt.checks:\n"
+        "        rt.complete(ag, bucket.buffers if bucket is not None else _gather_buffers(pending))\n"
+        "    gathered = rt.record(ag)\n",
+        '    ag = rt.side_stream("all_gather")\n    gathered = rt.record(ag)\n'
         "    with rt.use(ag):\n        pending.work.wait()\n"
-        "    if rt.checks:\n        rt.complete(ag, _gather_buffers(pending))\n    return event\n",
+        "    if rt.checks:\n"
+        "        rt.complete(ag, bucket.buffers if bucket is not None else _gather_buffers(pending))\n",
         ("alone", "buckets"),
     ),
     "compute waits on the copy-in stream, not the gathered event": (
@@ -97,7 +99,7 @@ RACES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("buckets",),
     ),
     "bucket rows freed with no event": (
-        "        rt.free_after(t, [] if intos is not None else consumers_done(rt))\n",
+        "        rt.free_after(t, [] if made else consumers_done(rt))\n",
         "        rt.free_after(t, [])\n",
         ("buckets",),
     ),
@@ -157,6 +159,16 @@ RACES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "    with rt.use(rs):\n        pendings = issue_reduce_coalesced(rins, comm, alloc=alloc)\n",
         '    rs = rt.side_stream("reduce_scatter")\n'
         "    with rt.use(rs):\n        pendings = issue_reduce_coalesced(rins, comm, alloc=alloc)\n",
+        ("buckets",),
+    ),
+    "a bucket's one wait reports only its first member's buffers complete": (
+        "        rt.complete(ag, bucket.buffers if bucket is not None else _gather_buffers(pending))\n",
+        "        rt.complete(ag, _gather_buffers(pending))\n",
+        ("buckets",),
+    ),
+    "a bucket member lands before the bucket's one wait": (
+        "    if bucket is not None and bucket.gathered is not None:\n        return bucket.gathered\n",
+        '    if bucket is not None:\n        return rt.record(rt.side_stream("all_gather"))\n',
         ("buckets",),
     ),
     "offload: the staged copy freed with no event": (

@@ -38,7 +38,6 @@ import torch
 
 from ...core import codec as C
 from ...core import transitions as T
-from ...core.coalesce import lands_by_member
 from ...core.comm import Communicator
 from ...core.errors import GatherCodecError
 from ...core.records import GroupLayout, PostForwardState, ShardedState
@@ -75,6 +74,8 @@ class GatherSlot:
             empty until the first gather lands in a new buffer.
         inner: the storage the codecs' decodes made outside ``buffer`` (freed with it).
         pending: the all-gather in flight (``None`` when none).
+        bucket: the shared wait of the bucket ``pending`` is a member of, when its members
+            land one by one (:class:`~.ordering.BucketWait`), else ``None``.
         live: whether ``buffer`` holds gathered data now.
         version: the source version the live data was gathered from.
         output: the padded gather output kept for ``reshard_after_forward=k``, else ``None``.
@@ -89,6 +90,7 @@ class GatherSlot:
         "_dtype",
         "_numel",
         "_staged",
+        "bucket",
         "buffer",
         "codecs",
         "device",
@@ -126,6 +128,7 @@ class GatherSlot:
         self.views: tuple[torch.Tensor, ...] = ()
         self.inner: tuple[torch.Tensor, ...] = ()
         self.pending: T.PendingUnshard | None = None
+        self.bucket: ordering.BucketWait | None = None
         self.live = False
         self.version = -1
         self.pending_version = -1  # the source version of the gather in flight
@@ -198,6 +201,7 @@ class GatherSlot:
         it: :func:`~functional_fsdp.core.transitions.land_unshard`, into the views of the last
         landing when the buffer is the same (codecs decode with ``out=``)."""
         pending, self.pending = self.pending, None
+        bucket, self.bucket = self.bucket, None
         assert pending is not None, "GatherSlot.wait: no gather in flight (call start first)"
         # start allocated the buffer when it passed it (the pieces may have landed there).
         buf = self.alloc() if pending.into is None else pending.into
@@ -212,16 +216,17 @@ class GatherSlot:
                     into=buf,
                     out=self.views or None,
                     keep_output=keep_output,
+                    bucket=bucket,
                 )
         except GatherCodecError:  # a post hook failed: the peers must not wait for this rank
-            self.pending = pending
+            self.pending, self.bucket = pending, bucket
             self._abort()
             raise
         except BaseException:
             # The wait failed (a peer aborted, a mismatch, a timeout): the gather is still in
             # flight as far as anyone knows, so reset_iter_state abandons it (its buffers stay
             # referenced, never freed under a late write) instead of freeing the buffer.
-            self.pending = pending
+            self.pending, self.bucket = pending, bucket
             raise
         if not self.views:
             self.views = landed.params
@@ -276,6 +281,7 @@ class GatherSlot:
         """Wait for the gather in flight, which nobody lands; free its own buffers after it."""
         pending, self.pending = self.pending, None
         staged, self._staged = self._staged, None
+        self.bucket = None
         assert pending is not None
         return ordering.retire_gather(self.runtime, pending, staged)
 
@@ -295,6 +301,7 @@ class GatherSlot:
             kept = [self.pending, self.buffer, self._staged]
             self.buffer, self.views, self.inner = None, (), ()
         self.pending = None
+        self.bucket = None
         self._staged = None
         self.live = False
         self.output = None
@@ -318,14 +325,12 @@ def start_coalesced(
     until its members run, and a member's buffer can reuse the one the member before it freed.
     """
     rt = slots[0].runtime
-    lazy = lands_by_member(sources, comm)
-    intos = None if lazy else [slot.alloc() for slot in slots]
     with torch.no_grad():
-        pendings = ordering.issue_gather_coalesced(
-            rt, sources, comm, intos, guard=_preserve_versions
+        pendings, bucket = ordering.issue_gather_coalesced(
+            rt, sources, comm, lambda: [slot.alloc() for slot in slots], guard=_preserve_versions
         )
     for slot, pending, version in zip(slots, pendings, versions):
-        slot.pending = pending
+        slot.pending, slot.bucket = pending, bucket
         slot.pending_version = version
 
 

@@ -46,6 +46,7 @@ from ...core.reproducible import PendingTreeReduce
 from ..device.runtime import DeviceRuntime, Event, Stream
 
 __all__ = [
+    "BucketWait",
     "consumers_done",
     "copy_out_stream",
     "finish_reduce",
@@ -117,38 +118,50 @@ def issue_gather_coalesced(
     rt: DeviceRuntime,
     sources: Sequence[ShardedState],
     comm: Communicator,
-    intos: Sequence[torch.Tensor] | None,
+    intos: Callable[[], Sequence[torch.Tensor]],
     *,
     guard: Callable[[tuple[torch.Tensor, ...]], Any] | None = None,
-) -> list[T.PendingUnshard]:
+) -> tuple[list[T.PendingUnshard], BucketWait | None]:
     """A bucket's one all-gather (:func:`~functional_fsdp.core.coalesce.begin_unshard_coalesced`):
     the copy-in (the members' shards side by side) and the collective on the all-gather
-    stream, after compute (which wrote the shards and freed the buffers). With ``intos``, the
+    stream, after compute (which wrote the shards and freed the buffers). ``intos`` allocates
+    the members' buffers (on compute) when the core copies the bucket out at once: then the
     bucket's output is copied out into every member's buffer when the first member's landing
-    waits for it, on the all-gather stream, before the event compute waits for. Without, each
-    member's landing lays its rows out on compute (:func:`land_gather`), and the rows are freed
-    after compute's reads once every member is done."""
+    waits for it, on the all-gather stream, before the event compute waits for. Otherwise
+    (the members land one by one, :func:`~functional_fsdp.core.coalesce.lands_by_member`)
+    each member's landing lays its rows out on compute (:func:`land_gather`), and the rows
+    are freed after compute's reads once every member is done; the members' handles then
+    come with the bucket's shared wait (:class:`BucketWait`), else ``None``."""
     ci, ag = rt.side_stream("copy_in"), rt.side_stream("all_gather")
     rt.wait_stream(ci, rt.compute)
     rt.wait_stream(ag, ci)
+    made: list[torch.Tensor] = []
+
+    def buffers() -> Sequence[torch.Tensor]:
+        with rt.use(rt.compute):  # allocated on compute, as a one-group gather's buffer
+            made.extend(intos())
+        rt.wait_stream(ag, rt.compute)  # the collective writes after the allocation
+        return made
 
     def free(t: torch.Tensor) -> None:
-        rt.free_after(t, [] if intos is not None else consumers_done(rt))
+        rt.free_after(t, [] if made else consumers_done(rt))
 
     with rt.use(ag):
         pendings = begin_unshard_coalesced(
-            sources, comm, intos, guard=guard, alloc=rt.empty, free=free
+            sources, comm, buffers, guard=guard, alloc=rt.empty, free=free
         )
+        share = pendings[0].share
         if rt.checks:
-            shares = [p.share for p in pendings if p.share is not None]
             rt.access(
                 ag,
                 "all-gather (coalesced)",
                 reads=[s.flat for s in sources],
-                writes=list(intos) if intos is not None else [shares[0].rows],
+                writes=list(made) if share is None else [share.rows],
                 in_flight=True,
             )
-    return pendings
+    if share is None:
+        return pendings, None
+    return pendings, BucketWait([share.rows, *(s.flat for s in sources)] if rt.checks else ())
 
 
 def _stage(
@@ -167,15 +180,42 @@ def _stage(
     return attrs.evolve(source, flat=moved), moved
 
 
-def gather_done(rt: DeviceRuntime, pending: T.PendingUnshard) -> Event:
+class BucketWait:
+    """A *handle*: the shell's side of one bucket's all-gather whose members land one by one
+    (:func:`~functional_fsdp.core.coalesce.lands_by_member`). The collective is one, so it is
+    waited for once, on the all-gather stream, by the first member to land; every member's
+    landing then waits for that one event (:func:`gather_done`).
+
+    Attributes:
+        buffers: what the collective reads and writes (the received rows, every member's
+            shards), told to a checking runtime at the wait; empty on the CPU runtime.
+        gathered: the event after the wait, ``None`` until a member has waited.
+    """
+
+    __slots__ = ("buffers", "gathered")
+
+    def __init__(self, buffers: Sequence[torch.Tensor]) -> None:
+        self.buffers = list(buffers)
+        self.gathered: Event | None = None
+
+
+def gather_done(
+    rt: DeviceRuntime, pending: T.PendingUnshard, bucket: BucketWait | None = None
+) -> Event:
     """Wait for the all-gather on its stream (a stream dependency on CUDA; the host waits on
-    gloo); the event after it."""
+    gloo); the event after it. A member of ``bucket`` whose collective was waited for already
+    takes that wait's event."""
+    if bucket is not None and bucket.gathered is not None:
+        return bucket.gathered
     ag = rt.side_stream("all_gather")
     with rt.use(ag):
         pending.work.wait()
     if rt.checks:
-        rt.complete(ag, _gather_buffers(pending))
-    return rt.record(ag)
+        rt.complete(ag, bucket.buffers if bucket is not None else _gather_buffers(pending))
+    gathered = rt.record(ag)
+    if bucket is not None:
+        bucket.gathered = gathered
+    return gathered
 
 
 def _gather_buffers(pending: T.PendingUnshard) -> list[torch.Tensor | None]:
@@ -209,11 +249,13 @@ def land_gather(
     into: torch.Tensor,
     out: tuple[torch.Tensor, ...] | None,
     keep_output: bool,
+    bucket: BucketWait | None = None,
 ) -> T.Landed:
     """Wait for the all-gather, copy out and decode on compute
     (:func:`~functional_fsdp.core.transitions.land_unshard`), then free the copy-in's buffers
-    after the all-gather and the output after the copy-out (unless ``keep_output``)."""
-    gathered = gather_done(rt, pending)
+    after the all-gather and the output after the copy-out (unless ``keep_output``).
+    ``bucket``: the shared wait of the bucket ``pending`` is a member of."""
+    gathered = gather_done(rt, pending, bucket)
     wait_for_gather(rt, gathered)
     s = copy_out_stream(rt)
     with rt.use(s):
