@@ -245,6 +245,21 @@ def begin_unshard_coalesced(
         intos = intos()
     if intos is None:
         raise StateError("coalesced unshard: pass every member's buffer (not a pieces gather)")
+    return _gather_rank_major(states, encoded, comm, intos, async_op, guard, alloc, free)
+
+
+def _gather_rank_major(
+    states: Sequence[ShardedState],
+    encoded: Sequence[GatherInput],
+    comm: Communicator,
+    intos: Sequence[torch.Tensor],
+    async_op: bool,
+    guard: Callable[[tuple[torch.Tensor, ...]], AbstractContextManager[object]] | None,
+    alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None,
+    free: Callable[[torch.Tensor], None] | None,
+) -> list[PendingUnshard]:
+    """The gather of a bucket whose output holds every rank's row (this rank's too), copied
+    out into every member's buffer ``intos`` when the first member waits."""
     sizes = [e.tensor.numel() for e in encoded]
     total = sum(sizes)
     ws = comm.world_size
