@@ -207,7 +207,6 @@ class Communicator(Protocol):
         ...
 
 
-@runtime_checkable
 class ScopedCommunicator(Communicator, Protocol):
     """A :class:`Communicator` that declares ``CommCapabilities(scoped=True)``: one parameter
     group's view of a shared communicator."""
@@ -223,6 +222,7 @@ class ScopedCommunicator(Communicator, Protocol):
         ...
 
 
+@runtime_checkable
 class PiecesCommunicator(Communicator, Protocol):
     """A :class:`Communicator` that also moves lists of tensors ("pieces") in one collective.
 

@@ -99,8 +99,8 @@ RACES: dict[str, tuple[str, str, tuple[str, ...]]] = {
         ("buckets",),
     ),
     "bucket rows freed with no event": (
-        "        rt.free_after(t, [] if made else consumers_done(rt))\n",
-        "        rt.free_after(t, [])\n",
+        "        events = [] if made else consumers_done(rt)\n",
+        "        events = []\n",
         ("buckets",),
     ),
     "reduced event recorded before the reduce-scatter's wait": (

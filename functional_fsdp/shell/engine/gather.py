@@ -281,9 +281,9 @@ class GatherSlot:
         """Wait for the gather in flight, which nobody lands; free its own buffers after it."""
         pending, self.pending = self.pending, None
         staged, self._staged = self._staged, None
-        self.bucket = None
+        bucket, self.bucket = self.bucket, None
         assert pending is not None
-        return ordering.retire_gather(self.runtime, pending, staged)
+        return ordering.retire_gather(self.runtime, pending, staged, bucket)
 
     def discard(self) -> None:
         """Drop a gather in flight that will not be used (wait for it: every rank issued it)."""

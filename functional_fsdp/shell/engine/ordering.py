@@ -136,6 +136,7 @@ def issue_gather_coalesced(
     rt.wait_stream(ci, rt.compute)
     rt.wait_stream(ag, ci)
     made: list[torch.Tensor] = []
+    bucket = BucketWait(())
 
     def buffers() -> Sequence[torch.Tensor]:
         with rt.use(rt.compute):  # allocated on compute, as a one-group gather's buffer
@@ -144,7 +145,12 @@ def issue_gather_coalesced(
         return made
 
     def free(t: torch.Tensor) -> None:
-        rt.free_after(t, [] if made else consumers_done(rt))
+        # The rows: after compute's reads of the landed members, and after the bucket's wait
+        # (every member may have been dropped unlanded: compute then never waited for it).
+        events = [] if made else consumers_done(rt)
+        if bucket.gathered is not None:
+            events.append(bucket.gathered)
+        rt.free_after(t, events)
 
     with rt.use(ag):
         pendings = begin_unshard_coalesced(
@@ -161,7 +167,9 @@ def issue_gather_coalesced(
             )
     if share is None:
         return pendings, None
-    return pendings, BucketWait([share.rows, *(s.flat for s in sources)] if rt.checks else ())
+    if rt.checks:
+        bucket.buffers = [share.rows, *(s.flat for s in sources)]
+    return pendings, bucket
 
 
 def _stage(
@@ -285,11 +293,15 @@ def _annotate_landing(
 
 
 def retire_gather(
-    rt: DeviceRuntime, pending: T.PendingUnshard, staged: torch.Tensor | None
+    rt: DeviceRuntime,
+    pending: T.PendingUnshard,
+    staged: torch.Tensor | None,
+    bucket: BucketWait | None = None,
 ) -> Event:
     """Wait for a gather nobody lands (dropped, or freed while in flight; every rank issued
-    it); free its buffers after it; the event after it."""
-    gathered = gather_done(rt, pending)
+    it); free its buffers after it; the event after it. ``bucket``: the shared wait of the
+    bucket ``pending`` is a member of (the rows are freed after it)."""
+    gathered = gather_done(rt, pending, bucket)
     _free_temporaries(rt, pending, staged, gathered)
     if pending.output is not None:
         rt.free_after(pending.output, [gathered])
