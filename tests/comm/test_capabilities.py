@@ -12,17 +12,18 @@ from functional_fsdp.core.comm import (
     scoped_view,
 )
 from functional_fsdp.shell.comm.custom import CustomCollectiveComm, base_comm, unwrap
+from functional_fsdp.shell.comm.process_group import ProcessGroupComm
 from functional_fsdp.shell.comm.scoped import ScopedComm
 from functional_fsdp.shell.engine.coalesced import bucket_comm
 from functional_fsdp.testing import SimulatedWorld
 
 
 def _base() -> Any:
-    """Stands in for a process group's communicator: a scoped view reads these and delegates."""
-    ns = SimpleNamespace(supports_pieces=False, pieces_min_bytes=0, rank=0, world_size=2)
-    ns.base = ns
-    ns.next_group_key = lambda: 7
-    return ns
+    """A process group's communicator with no process group behind it (nothing here runs a
+    collective): what a scoped view reads of its base."""
+    base = ProcessGroupComm.__new__(ProcessGroupComm)
+    base._p2p, base._pieces_min_bytes, base._rank, base._world_size = False, 0, 0, 2
+    return base
 
 
 class _User:
@@ -41,6 +42,8 @@ def test_a_plain_communicator_declares_nothing() -> None:
     assert capabilities(None) == CommCapabilities()
     assert scoped_view(comm) is None
     assert base_comm(comm) is None
+    # An unrelated ``base`` attribute is not a process group's communicator.
+    assert base_comm(SimpleNamespace(base=object())) is None
 
 
 def test_a_scoped_view_declares_scoped_and_names_its_base() -> None:

@@ -77,7 +77,8 @@ def unwrap(comm: Communicator) -> Communicator:
 def base_comm(comm: Any) -> ProcessGroupComm | None:
     """The shared process-group communicator under scoped/custom wrappers (their ``base``; a
     :class:`ProcessGroupComm` is its own), or ``None`` (the simulated world, a user's)."""
-    return getattr(comm, "base", None)
+    base = getattr(comm, "base", None)
+    return base if isinstance(base, ProcessGroupComm) else None
 
 
 def _abort_peers(bases: Sequence[ProcessGroupComm]) -> None:
