@@ -318,19 +318,18 @@ class _BucketRows:
     handed out member by member (:class:`_MemberRows`), freed once every member has landed or
     dropped its part."""
 
-    __slots__ = ("_free", "_left", "_whole", "_work", "rows", "send")
+    __slots__ = ("_free", "_left", "_whole", "_work", "rows")
 
     def __init__(
         self,
         work: Work,
         rows: torch.Tensor,
-        send: torch.Tensor | None,
         whole: torch.Tensor,
         members: int,
         free: Callable[[torch.Tensor], None],
     ) -> None:
         self._work: Work | None = work
-        self.rows, self.send, self._whole = rows, send, whole
+        self.rows, self._whole = rows, whole
         self._left = members
         self._free = free
 
@@ -346,7 +345,7 @@ class _BucketRows:
         return True if self._work is None else work_done(self._work)
 
     def done(self) -> None:
-        """One member is done with its part; the last frees the rows and the send buffer."""
+        """One member is done with its part; the last frees the rows and the send row (one allocation)."""
         self._left -= 1
         if self._left == 0:
             self._free(self._whole)
@@ -446,7 +445,7 @@ def _gather_peer_rows(
         inputs = [e.tensor for e in encoded]
     work = cast(PiecesCommunicator, comm).all_gather_pieces(outputs, inputs, async_op=async_op)
     if intos is None:
-        bucket = _BucketRows(work, out, send, whole, len(states), free or _free)
+        bucket = _BucketRows(work, out, whole, len(states), free or _free)
         shares = [
             _MemberRows(bucket, s.layout, me, e.tensor, part)
             for s, e, part in zip(states, encoded, parts)
