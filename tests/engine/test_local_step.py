@@ -315,6 +315,62 @@ def test_neighbour_copies_keep_the_local_step(world2: World) -> None:
         assert res["moments"] == ["exp_avg", "exp_avg_sq"]
 
 
+def case_zero_grad_after_a_raising_step(recovery: str) -> dict:
+    """A step that raises with gradients in place, then the user's recovery (``recovery``:
+    ``reset_then_zero``, ``zero_then_reset`` or ``zero_only``, the next forward undoing the
+    swap), then two clean steps: the same parameters and state as a run that skipped the
+    failed step."""
+    model = _build("ours", "fp32")
+    ref = _build("ours", "fp32")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def step(m: torch.nn.Module, o: torch.optim.Optimizer, seed: int) -> None:
+        x, y = synthetic_batch(CFG, 2, seed=seed + dist.get_rank())
+        m.loss(x, y).backward()
+        o.step()
+        o.zero_grad()
+
+    step(model, opt, 0)
+    step(ref, ref_opt, 0)
+    x, y = synthetic_batch(CFG, 2, seed=50 + dist.get_rank())
+    model.loss(x, y).backward()
+    betas = opt.param_groups[0]["betas"]
+    opt.param_groups[0]["betas"] = None  # raises in step(), after the swap, before any write
+    with pytest.raises(TypeError):
+        opt.step()
+    opt.param_groups[0]["betas"] = betas
+    if recovery == "reset_then_zero":
+        model.reset_iter_state()
+        opt.zero_grad()
+    elif recovery == "zero_then_reset":
+        opt.zero_grad()
+        model.reset_iter_state()
+    else:
+        opt.zero_grad()
+    grads_left = [n for n, p in model.named_parameters() if p.grad is not None]
+    for seed in (100, 200):
+        step(model, opt, seed)
+        step(ref, ref_opt, seed)
+    return {
+        "grads_left": grads_left if recovery != "zero_only" else [],
+        "equal": _equal(_full_params(model), _full_params(ref)),
+        "same_state": _same_state(opt, ref_opt),
+    }
+
+
+@pytest.mark.parametrize("recovery", ["reset_then_zero", "zero_then_reset", "zero_only"])
+def test_zero_grad_after_a_raising_step_clears_the_gradients(world2: World, recovery: str) -> None:
+    """torch runs no post-hook after a step that raised, so the swap stays in place: a
+    ``zero_grad()`` then cleared only the local tensors' ``.grad`` and the next backward added
+    onto the failed step's gradients (measured: 0.028 off). ``reset_iter_state()`` and the
+    next forward undo the swap, and a gradient cleared while swapped is cleared on the
+    ``DTensor``."""
+    for res in world2.run(case_zero_grad_after_a_raising_step, recovery):
+        assert res["grads_left"] == [], res
+        assert res["equal"] and res["same_state"], res
+
+
 def test_closure_and_a_raising_step_leave_nothing_swapped(world2: World) -> None:
     for res in world2.run(case_closure_and_raising_step):
         assert res["raised"] and res["left_swapped"], res

@@ -23,6 +23,7 @@ from ..engine.coalesced import start_together
 from ..engine.gradients import ReduceChain
 from ..engine.group import ParamGroup
 from ..engine.group_common import profiled, traced
+from ..engine.local_step import restore_raised
 from ..engine.tied import LentCall, TiedUse
 from . import buckets, functional_call
 
@@ -259,6 +260,7 @@ class FSDPState:
             return args, kwargs
         # (A reset the machine asks for ran above, with its warning.)
         if self.is_root and RootAct.START_ITERATIONS in root._root_event(RootEvent.FORWARD_BEGINS):
+            restore_raised()  # an optimizer step that raised since the last forward
             for s in root.all_states:
                 if s.group is not None:
                     s.group.start_iteration()
@@ -472,6 +474,7 @@ class FSDPState:
 
     def reset(self) -> None:
         """``reset_iter_state``: drop in-flight work, reshard, go idle (after an exception)."""
+        restore_raised()  # an optimizer step that raised leaves its parameters swapped
         root = self.root if self.root is not None else self
         states = root.all_states or [self]
         for s in states:

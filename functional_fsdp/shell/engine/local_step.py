@@ -28,6 +28,7 @@ all. :func:`set_local_optimizer_step` turns it off.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -62,17 +63,20 @@ _ENABLED = [True]
 # Global pre-hooks of this package that may run after the swap (they read no parameter).
 _SAFE_AFTER: set[Any] = set()
 _SWAPPED = "_ffsdp_local_swap"
+# Optimizers whose swap is in place: inside their step, or after a step that raised (torch runs
+# no post-hook then).
+_OPEN: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 class _Swap:
-    """One step's swap: per swapped parameter, its ``DTensor``, local tensor and the state
-    values it replaced (key -> ``DTensor``)."""
+    """One step's swap: per swapped parameter, its ``DTensor``, local tensor, the state values
+    it replaced (key -> ``DTensor``), whether it had state, and its ``DTensor`` gradient."""
 
     __slots__ = ("groups", "rows")
 
     def __init__(self) -> None:
         self.groups: list[tuple[dict, list]] = []  # (param group, its original params list)
-        self.rows: list[tuple[DTensor, torch.Tensor, dict, bool]] = []
+        self.rows: list[tuple[DTensor, torch.Tensor, dict, bool, torch.Tensor]] = []
 
 
 def set_local_optimizer_step(enabled: bool) -> None:
@@ -185,11 +189,12 @@ def _to_local(opt: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) ->
                     st[k] = v._local_tensor
             state[local] = st
             new[i] = local
-            swap.rows.append((p, local, replaced, had))
+            swap.rows.append((p, local, replaced, had, p.grad))
         swap.groups.append((group, params))
         group["params"] = new
     if swap.rows:
         setattr(opt, _SWAPPED, swap)
+        _OPEN.add(opt)
 
 
 def _to_dtensor(opt: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) -> None:
@@ -198,16 +203,29 @@ def _to_dtensor(opt: torch.optim.Optimizer, args: Any = (), kwargs: Any = None) 
     _restore(opt)
 
 
+def restore_raised() -> None:
+    """Undo the swap of every optimizer whose step raised (``reset_iter_state`` and the next
+    forward call this): until then its ``param_groups`` and ``state`` hold local tensors, and
+    a ``zero_grad()`` clears only their ``.grad``."""
+    for opt in list(_OPEN):
+        _restore(opt)
+
+
 def _restore(opt: torch.optim.Optimizer) -> None:
     """Undo the swap: parameters, ``.grad`` and state as ``DTensor``; state the step created on
-    a local shard (a first step's moments) wrapped with its parameter's spec."""
+    a local shard (a first step's moments) wrapped with its parameter's spec. A gradient
+    cleared while swapped (``zero_grad()`` after a step that raised) is cleared on the
+    ``DTensor`` too."""
     swap: _Swap | None = opt.__dict__.pop(_SWAPPED, None)
+    _OPEN.discard(opt)
     if swap is None:
         return
     for group, params in swap.groups:
         group["params"] = params
     state = opt.state
-    for p, local, replaced, had in swap.rows:
+    for p, local, replaced, had, grad in swap.rows:
+        if local.grad is None and p.grad is grad:
+            p.grad = None
         local.grad = None
         st = state.pop(local, {})
         for k, v in st.items():
