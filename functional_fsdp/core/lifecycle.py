@@ -175,6 +175,7 @@ class Event(enum.Enum):
     START_ITERATION = "the root's forward begins"
     PRE_FORWARD = "a module of the group starts its forward"
     POST_FORWARD = "a module of the group finished its forward"
+    FORWARD_ENDS = "the root's forward ended"
     RECOMPUTE = "a forward inside backward (activation-checkpoint recompute)"
     PRE_BACKWARD = "the backward reaches the group's outputs"
     PREFETCH_FOR_BACKWARD = "another group's backward prefetches this one"
@@ -351,6 +352,19 @@ def _post_forward(
         attrs.evolve(p, stage=Stage.IDLE, storage=storage, forward_done=done, ran_forward=True),
         acts + (Act.REGISTER_SHARDED,),
     )
+
+
+def _forward_ends(
+    p: Phase, c: LifecycleConfig, grad: bool, force: bool, keep: bool, *_: bool
+) -> Step:
+    # A fully_shard([m1, m2]) group counts its modules' post-forwards: if they did not each
+    # finish this forward once (one ran alone, or ran again after the group had closed), the
+    # forward is still open. Left open, the next forward would find it unsharded and run on
+    # the last forward's full tensors (no gather, and no gradient under no_grad). Close it as
+    # its last module's post-forward would.
+    if p.stage is not Stage.FORWARD:
+        return p, _NONE
+    return _post_forward(attrs.evolve(p, forward_done=c.forward_users - 1), c, grad, force, keep)
 
 
 def _recompute(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
@@ -558,6 +572,7 @@ _HANDLERS: Final[dict[Event, _Handler]] = {
     Event.START_ITERATION: _start_iteration,
     Event.PRE_FORWARD: _pre_forward,
     Event.POST_FORWARD: _post_forward,
+    Event.FORWARD_ENDS: _forward_ends,
     Event.RECOMPUTE: _recompute,
     Event.PRE_BACKWARD: _pre_backward,
     Event.PREFETCH_FOR_BACKWARD: _prefetch_for_backward,

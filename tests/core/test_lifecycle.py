@@ -150,6 +150,25 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert self.p.stage is Stage.IDLE
         assert self.shell.registered == "sharded", "a forward left the full parameters on"
 
+    @precondition(
+        lambda self: self.p.stage is Stage.IDLE and self.lent_open == 0 and self.c.forward_users > 1
+    )
+    @rule(grad=st.booleans(), runs=st.integers(1, 4))
+    def forward_of_some_modules(self, grad: bool, runs: int) -> None:
+        """A list-form group's modules run ``runs`` times in all, one after another, in any
+        pattern (one module alone, or one again after the group closed), then the root's
+        forward ends: the group is closed and its modules hold the sharded parameters."""
+        self._begin_iteration()
+        self.held = False
+        for _ in range(runs):
+            if Act.MAKE_OUTPUTS in self.ev(Event.PRE_FORWARD, grad=grad):
+                self.tracked_uses += 1
+            assert self.shell.live and self.shell.registered == "full"
+            self.ev(Event.POST_FORWARD)
+        self.ev(Event.FORWARD_ENDS)
+        assert self.p.stage is Stage.IDLE, f"the root's forward end left {self.p}"
+        assert self.shell.registered == "sharded", "a forward left the full parameters on"
+
     @precondition(lambda self: self.p.stage is Stage.IDLE and self.lent_open == 0)
     @rule()
     def fault_mid_forward_then_reset(self) -> None:
@@ -417,6 +436,19 @@ def test_model_checking_catches_a_leaked_buffer(monkeypatch: pytest.MonkeyPatch)
     _final = L._HANDLERS[Event.FINAL_CALLBACK]
     monkeypatch.setitem(L._HANDLERS, Event.FINAL_CALLBACK, keeps_the_buffer)
     with pytest.raises(AssertionError):
+        _hunt()
+
+
+def test_model_checking_catches_a_list_group_left_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A third seeded bug: the root's forward end leaves a list-form group open when its
+    modules did not each finish the forward once (the next forward then ran on the last
+    forward's full tensors: a 33% wrong or missing gradient)."""
+
+    def stays_open(p: Phase, c: LifecycleConfig, *rest: bool) -> L.Step:
+        return p, ()
+
+    monkeypatch.setitem(L._HANDLERS, Event.FORWARD_ENDS, stays_open)
+    with pytest.raises(AssertionError, match="forward end left"):
         _hunt()
 
 

@@ -383,3 +383,93 @@ def test_reused_module_through_the_functional_step(world2) -> None:
     ]
     for cfg, res in zip(cfgs, world2.run(case_functional_reuse, cfgs)[0]):
         assert res["worst"] < TOL_FP32 and res["loss"] < TOL_FP32, (cfg, res)
+
+
+# ------------------------------------------------------------------ a group of several modules
+
+
+class ListUse(nn.Module):
+    """``a`` and ``b`` (one ``fully_shard([a, b])`` group) called in ``order`` (e.g. ``"aba"``),
+    then ``head``."""
+
+    def __init__(self, order: str, d: int = 8) -> None:
+        super().__init__()
+        self.order = order
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for name in self.order:
+            x = torch.tanh(getattr(self, name)(x))
+        return self.head(x)
+
+
+def _list_run(order: str, sharded: bool, reshard: bool) -> dict[str, Any]:
+    """3 SGD steps; before each, an evaluation forward under ``no_grad``, and another between
+    the backward and the optimizer step. Every step's loss, gradients and parameters."""
+    from functional_fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = ListUse(order)
+    if sharded:
+        fully_shard([model.a, model.b], reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    torch.manual_seed(1)
+    data = [torch.randn(BATCH, 8) for _ in range(STEPS)]
+    out: dict[str, Any] = {"losses": [], "grads": [], "params": []}
+    for x in data:
+        if sharded:
+            x = x.chunk(2)[dist.get_rank()]
+        with torch.no_grad():
+            model(x)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        with torch.no_grad():
+            model(x)
+        out["losses"].append(_mean_over_ranks(loss.detach()) if sharded else loss.item())
+        out["grads"].append(_grads(model))
+        opt.step()
+        opt.zero_grad()
+        out["params"].append({n: _full(p).detach().clone() for n, p in model.named_parameters()})
+    return out
+
+
+def _mean_over_ranks(t: torch.Tensor) -> float:
+    t = t.clone()
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def case_list_group_modules_run_unevenly(
+    cfgs: list[tuple[str, bool]],
+) -> list[dict[str, Any]]:
+    out = []
+    for order, reshard in cfgs:
+        ours, ref = _list_run(order, True, reshard), _list_run(order, False, reshard)
+        out.append(
+            {
+                "losses": max(abs(a - b) for a, b in zip(ours["losses"], ref["losses"])),
+                "grads": max(
+                    max(_distance(a, b).values()) for a, b in zip(ours["grads"], ref["grads"])
+                ),
+                "params": max(
+                    max(_distance(a, b).values()) for a, b in zip(ours["params"], ref["params"])
+                ),
+            }
+        )
+    return out
+
+
+def test_list_group_whose_modules_do_not_each_run_once(world2) -> None:
+    """``fully_shard([a, b])`` with ``a`` run twice (``aba``, ``aab``) or alone, and evaluation
+    forwards under ``no_grad`` around the backward. The group counts its modules'
+    post-forwards; a forward that left the count short stayed open, and the next forward ran on
+    its full tensors without gathering: ``a``'s gradient was 33% off (``aba``) or missing
+    (``a``), and the evaluation between backward and step made the next forward read the
+    parameters from before the step. The root's forward end now closes such a group."""
+    cfgs = [(o, r) for o in ("aba", "aab", "a", "ab", "ba") for r in (True, False)]
+    for res in world2.run(case_list_group_modules_run_unevenly, cfgs):
+        for cfg, r in zip(cfgs, res):
+            assert r["losses"] <= 1e-6 and r["grads"] <= 1e-5 and r["params"] <= 1e-5, (cfg, r)

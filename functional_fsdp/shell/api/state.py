@@ -55,6 +55,9 @@ class FSDPState:
         self.explicit_backward_prefetch: list[FSDPState] | None = None
         # Root-only bookkeeping.
         self.all_states: list[FSDPState] = []
+        # The groups of several modules (fully_shard([m1, m2])): the root's forward closes
+        # one whose modules did not each finish it once (ParamGroup.forward_ends).
+        self.list_groups: list[ParamGroup] = []
         self.forward_order: list[FSDPState] = []
         # Backward runs in reverse post-forward order (the root finishes forward last and
         # starts backward first; then the last block).
@@ -184,6 +187,8 @@ class FSDPState:
                     seen[id(p)] = s.name
         _check_tied_under_root(self, states)
         self.all_states = states
+        lists = {id(s.group): s.group for s in states if s.group and s.group.forward_users > 1}
+        self.list_groups = list(lists.values())
         # Collectives that wait past the grace period name their group by module path.
         paths = {id(m): p for p, m in self.module.named_modules()}
         named: dict[int, tuple[str, list[Any]]] = {}
@@ -393,6 +398,11 @@ class FSDPState:
                 use.post_forward()
         if tensors:
             torch.autograd.graph.register_multi_grad_hook(tensors, self._pre_backward, mode="any")
+        if self.is_root:
+            # (A list-form root group counts its modules across their root forwards.)
+            for lg in self.list_groups:
+                if lg is not g:
+                    lg.forward_ends()
         if self.is_root and RootAct.FORGET_PREFETCHES in self._root_event(RootEvent.FORWARD_ENDS):
             for s in self.all_states:
                 if s.group is not None and s.group.pending is not None:

@@ -697,6 +697,11 @@ class ParamGroup(GroupGradients, GroupLending):
         and updates that are lost (docs/fsdp2_mapping.md)."""
         self._carry_out(self._event(Event.POST_FORWARD, force=force_reshard, keep=keep))
 
+    def forward_ends(self) -> None:
+        """The root's forward ended: a ``fully_shard([m1, m2])`` group whose modules did not
+        each finish it once is closed as by its last module's post-forward."""
+        self._carry_out(self._event(Event.FORWARD_ENDS))
+
     def pre_backward(self) -> None:
         """The backward reaches this group's outputs: all-gather again (unless
         ``unshard_in_backward`` is off) and put this forward's full parameters back."""
