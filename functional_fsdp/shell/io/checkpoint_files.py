@@ -47,7 +47,12 @@ from torch.distributed.checkpoint.filesystem import (
     FileSystemWriter,
     _StorageInfo,
 )
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -80,6 +85,36 @@ _ALGORITHM = "crc32"
 
 def _checksum(data: bytes | memoryview) -> int:
     return zlib.crc32(data)
+
+
+def _metadata_digest(metadata: Metadata, storage: dict[MetadataIndex, _StorageInfo]) -> int:
+    """CRC-32 of what ``.metadata`` says about the stored items: each entry's kind, dtype, size
+    and chunks (offsets and sizes), and where each item's bytes are (file, start, length).
+
+    Recorded in the sidecar at save and compared at load: the payload's checksums alone do
+    not cover ``.metadata``, and a damaged chunk offset or size there loads silently wrong
+    (DCP's planner reads only the chunks that overlap what the model expects, so a region no
+    chunk covers keeps the model's old values)."""
+    entries: list[Any] = []
+    for fqn in sorted(metadata.state_dict_metadata):
+        md = metadata.state_dict_metadata[fqn]
+        if not isinstance(md, TensorStorageMetadata):
+            entries.append([fqn, type(md).__name__])
+            continue
+        chunks = sorted([list(c.offsets), list(c.sizes)] for c in md.chunks)
+        entries.append([fqn, str(md.properties.dtype), list(md.size), chunks])
+    items = sorted(
+        [
+            index.fqn,
+            None if index.offset is None else list(index.offset),
+            info.relative_path,
+            info.offset,
+            info.length,
+        ]
+        for index, info in storage.items()
+    )
+    text = json.dumps([entries, items], separators=(",", ":"), default=str)
+    return _checksum(text.encode())
 
 
 def _item_name(index: MetadataIndex) -> str:
@@ -186,6 +221,14 @@ def _read_checksums(
             stacklevel=3,
         )
         return None
+    recorded = doc.get("metadata")
+    if recorded is not None and recorded != _metadata_digest(metadata, metadata.storage_data):
+        raise CheckpointIntegrityError(
+            f"checkpoint {os.fspath(root)!r}: .metadata does not match what {name} recorded "
+            "when it was saved (its tensors' sizes, chunks or storage locations differ): the "
+            ".metadata file is damaged. Restore the checkpoint from a good copy",
+            item=".metadata",
+        )
     return table
 
 
@@ -254,10 +297,12 @@ class ChecksummingFileSystemWriter(FileSystemWriter):
                         info.relative_path, info.offset, info.length, info.transform_descriptors
                     )
                 plain[-1].append(dataclasses.replace(wr, storage_data=info))
+        storage = {wr.index: wr.storage_data for wr_list in plain for wr in wr_list}
         doc = {
             "format": _FORMAT,
             "algorithm": _ALGORITHM,
             "save_id": self.save_id,
+            "metadata": _metadata_digest(metadata, storage),
             "items": entries,
         }
         name = _checksum_file(self.rank, self.use_collectives)
@@ -300,6 +345,10 @@ _METADATA_CLASSES = frozenset(
 }
 
 
+class _NotMetadata(pickle.UnpicklingError):
+    """``.metadata`` names a type outside DCP's metadata (the restricted unpickler's refusal)."""
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles DCP metadata only: DCP's dataclasses, ``torch.Size``, dtypes and layouts."""
 
@@ -308,7 +357,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(
+        raise _NotMetadata(
             f"checkpoint metadata refers to {module}.{name}, which is not a DCP metadata type; "
             "refusing to load it (the file may be corrupt or crafted). Inspect it, or load it with "
             "torch's FileSystemReader only if you trust its origin"
@@ -352,13 +401,24 @@ class SafeFileSystemReader(FileSystemReader):
             with self.fs.create_stream(path, "rb") as f:
                 metadata = _MetadataUnpickler(f).load()
             if not isinstance(metadata, Metadata):
-                raise pickle.UnpicklingError(
+                raise _NotMetadata(
                     f"{os.fspath(path)} does not hold DCP Metadata (got {type(metadata).__name__})"
                 )
-        except (pickle.UnpicklingError, CheckpointPathError) as e:
+        except (_NotMetadata, CheckpointPathError) as e:
             if self.refusal is None:
                 self.refusal = e
             raise
+        except FileNotFoundError:
+            raise  # DCP tries the per-rank metadata files next
+        except Exception as e:  # truncated or garbled: UnpicklingError, EOFError, ...
+            damaged = CheckpointIntegrityError(
+                f"{os.fspath(path)} is unreadable ({type(e).__name__}: {e}); the checkpoint's "
+                ".metadata is damaged or incomplete. Restore the checkpoint from a good copy",
+                item=".metadata",
+            )
+            if self.refusal is None:
+                self.refusal = damaged
+            raise damaged from e
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
