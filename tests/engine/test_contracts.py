@@ -299,13 +299,18 @@ def test_torch_only_methods_raise_clearly(world2: World) -> None:
         assert "set_symm_mem_for_comm" in msg and "not supported" in msg
 
 
-def _last_backward_flag(use_torch: bool, use_flag: bool) -> dict[str, Any]:
-    """Two micro-batches with gradient sync on; ``set_is_last_backward(False)`` on the first."""
+def _last_backward_flag(use_torch: bool, use_flag: bool, between: str = "") -> dict[str, Any]:
+    """Two micro-batches with gradient sync on; ``set_is_last_backward(False)`` on the first;
+    ``between`` them: nothing, ``zero_grad`` (drops the first) or ``step`` (an SGD step on the
+    first micro-batch's gradients, then ``zero_grad``). The gradients after each backward
+    and the parameters at the end."""
     from torch.distributed.tensor import DTensor
 
     cfg, model, *_ = _models(use_torch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rank = dist.get_rank()
     in_flight = None
+    grads = []
     for i in range(2):
         if use_flag:
             model.set_is_last_backward(i == 1)
@@ -315,20 +320,36 @@ def _last_backward_flag(use_torch: bool, use_flag: bool) -> dict[str, Any]:
                 m._ffsdp_state.group is not None and m._ffsdp_state.group.pending_reduce is not None
                 for m in [model, *model.blocks]
             )
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        if i == 0 and between == "step":
+            opt.step()
+        if i == 0 and between:
+            opt.zero_grad()
     assert all(isinstance(p, DTensor) for p in model.parameters())
-    return {"grads": grads, "in_flight": in_flight}
+    params = {n: p.full_tensor().detach() for n, p in model.named_parameters()}
+    return {"grads": grads, "params": params, "in_flight": in_flight}
 
 
-def test_set_is_last_backward_keeps_reductions_in_flight_and_matches_fsdp2(world2: World) -> None:
-    flagged = world2.run(_last_backward_flag, False, True)
-    plain = world2.run(_last_backward_flag, False, False)
-    theirs = world2.run(_last_backward_flag, True, True)
+@pytest.mark.parametrize("between", ["", "zero_grad", "step"])
+def test_set_is_last_backward_lands_every_reduction_and_matches_fsdp2(
+    world2: World, between: str
+) -> None:
+    """A backward with ``set_is_last_backward(False)`` ends with every reduction landed, as
+    FSDP2 assigns ``.grad`` in each group's post-backward: a ``zero_grad()`` after it drops
+    that micro-batch, and an optimizer step after it steps on its gradients. (The last
+    reduction once stayed in flight and landed later into whatever ``.grad`` had become: the
+    dropped micro-batch came back, 0.30 off; the step ran on incomplete gradients.)"""
+    flagged = world2.run(_last_backward_flag, False, True, between)
+    plain = world2.run(_last_backward_flag, False, False, between)
+    theirs = world2.run(_last_backward_flag, True, True, between)
     for f, p, t in zip(flagged, plain, theirs):
-        assert f["in_flight"] is True and p["in_flight"] is False
-        for n in f["grads"]:
-            assert torch.equal(f["grads"][n], p["grads"][n]), n
-            assert torch.equal(f["grads"][n], t["grads"][n]), n
+        assert f["in_flight"] is False and p["in_flight"] is False
+        for k in range(2):
+            for n in f["grads"][k]:
+                assert torch.equal(f["grads"][k][n], p["grads"][k][n]), (k, n)
+                assert torch.equal(f["grads"][k][n], t["grads"][k][n]), (k, n)
+        for n in f["params"]:
+            assert torch.equal(f["params"][n], t["params"][n]), n
 
 
 def _no_sync_while_a_reduction_is_in_flight(use_torch: bool, buckets: bool) -> dict[str, Any]:

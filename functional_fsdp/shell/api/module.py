@@ -136,11 +136,13 @@ class FSDPModule(TorchFSDPModule):
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Whether the next backward is the last of the iteration (root only; FSDP2's meaning).
 
-        With ``False`` (gradient accumulation, not the last micro-batch) the end of backward
-        leaves each group's gradient reduction in flight, overlapping the next micro-batch's
-        forward; it lands in ``.grad`` when the group reduces again or when a backward with
-        ``True`` (the default) ends. Read ``.grad`` only after that last backward. Manual
-        finalization (:meth:`set_manual_backward_finalization`) supersedes it while on.
+        As in FSDP2 on the host, every reduction has landed in ``.grad`` when a backward ends,
+        whatever the flag: a ``zero_grad()`` or an optimizer step after a backward with
+        ``False`` sees (or drops) that micro-batch's gradients. (Leaving the last reduction
+        in flight past the backward, to overlap the next micro-batch, once made it land later
+        into whatever ``.grad`` had become.) Manual finalization
+        (:meth:`set_manual_backward_finalization`) leaves the reductions in flight until
+        :meth:`finalize_backward`, and supersedes this flag while on.
         """
         fin = finalization_of(self)  # type: ignore[arg-type]
         if fin.manual:

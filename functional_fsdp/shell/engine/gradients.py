@@ -375,7 +375,7 @@ class GroupGradients:
     def _adopt_reduce_state(self, after: T.ReduceState) -> None:
         """Keep what a finished reduction hands on (its residual, its partial sum). Only
         those: the state it started from is a snapshot, and gradients held without sync
-        since it began (a reduction left in flight by ``set_is_last_backward(False)``) are
+        since it began (a reduction left in flight under manual backward finalization) are
         the group's current ones."""
         rs = self.reduce_state
         if after.residual is not rs.residual or after.partial is not rs.partial:
