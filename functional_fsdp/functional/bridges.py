@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from ..core._tree import NAMESPACE
 from ..core.errors import ArgumentTypeError, OptimizerStateError
 from ..shell import summon_full_params
+from .hyperparams import InjectHyperparamsState
 from .optim import AdamWState, Optimizer, SGDState
 from .step import (
     TrainState,
@@ -34,7 +35,7 @@ from .step import (
     check_not_donated,
     init,
 )
-from .transforms import GradientTransformation
+from .transforms import GradientTransformation, ScaleByScheduleState
 
 __all__ = [
     "SummonedState",
@@ -134,16 +135,39 @@ def _by_name(model: nn.Module, torch_opt: Any) -> dict[str, dict[str, Any]]:
     return {order[k]: torch_opt["state"].get(i, {}) for k, i in enumerate(ids)}
 
 
-def _fill(node: Any, per_name: dict[str, dict[str, Any]], names: list[str]) -> Any:
+def _steps_taken(per_name: dict[str, dict[str, Any]], step: int | None) -> int:
+    """The torch optimizer's step count: its recorded ``step`` (AdamW), else ``step``.
+
+    torch's SGD records no count, and a count of 0 would make the functional ``sgd`` take
+    its next step as the first (overwriting the loaded momentum with the gradient) and a
+    schedule restart; so a momentum buffer without ``step=`` is refused."""
+    recorded = {float(s["step"]) for s in per_name.values() if "step" in s}
+    if len(recorded) > 1:
+        raise OptimizerStateError(
+            f"from_torch_optimizer: parameters have different step counts {recorded}"
+        )
+    if recorded:
+        taken = int(recorded.pop())
+        if step is not None and step != taken:
+            raise OptimizerStateError(
+                f"from_torch_optimizer: step={step}, but the torch optimizer recorded {taken}"
+            )
+        return taken
+    if step is not None:
+        return int(step)
+    if any("momentum_buffer" in s for s in per_name.values()):
+        raise OptimizerStateError(
+            "from_torch_optimizer: torch.optim.SGD records no step count; pass step=<the "
+            "steps it took> (with 0 the functional sgd would take its next step as the first, "
+            "replacing the loaded momentum, and a schedule would restart)"
+        )
+    return 0
+
+
+def _fill(node: Any, per_name: dict[str, dict[str, Any]], names: list[str], taken: int) -> Any:
     keys = _TORCH_KEYS.get(type(node))
     if keys is None:
         return node
-    steps = {float(s["step"]) for s in per_name.values() if "step" in s}
-    if len(steps) > 1:
-        raise OptimizerStateError(
-            f"from_torch_optimizer: parameters have different step counts {steps}"
-        )
-    count = torch.tensor(steps.pop() if steps else 0.0)
     trees = [node.mu, node.nu] if isinstance(node, AdamWState) else [node.momentum]
     filled = []
     for key, tree in zip(keys, trees):
@@ -151,13 +175,37 @@ def _fill(node: Any, per_name: dict[str, dict[str, Any]], names: list[str]) -> A
             filled.append(tree)
             continue
         filled.append({n: _copy(per_name[n][key]) if key in per_name[n] else tree[n] for n in tree})
-    return type(node)(count, *filled)
+    return type(node)(torch.tensor(float(taken)), *filled)
+
+
+def _count_steps(node: Any, taken: int) -> Any:
+    """The other counters of the optimizer's state at ``taken`` (schedules continue)."""
+    if isinstance(node, InjectHyperparamsState):
+        return attrs.evolve(
+            node,
+            count=torch.tensor(taken, dtype=node.count.dtype),
+            inner_state=_map_counts(node.inner_state, taken),
+        )
+    if isinstance(node, ScaleByScheduleState):
+        return attrs.evolve(node, count=torch.tensor(taken, dtype=node.count.dtype))
+    return node
+
+
+def _map_counts(tree: Any, taken: int) -> Any:
+    return optree.tree_map(
+        lambda n: _count_steps(n, taken),
+        tree,
+        is_leaf=lambda n: isinstance(n, (InjectHyperparamsState, ScaleByScheduleState)),
+        none_is_leaf=True,
+    )
 
 
 def from_torch_optimizer(
     model: nn.Module,
     torch_optimizer: torch.optim.Optimizer | dict[str, Any],
     optimizer: Optimizer | GradientTransformation,
+    *,
+    step: int | None = None,
 ) -> TrainState:
     """A :class:`~.train.TrainState` from a ``fully_shard`` model and a torch optimizer's state.
 
@@ -165,37 +213,56 @@ def from_torch_optimizer(
     SGD's ``momentum_buffer``) and the step count from the torch optimizer, into the
     ``AdamWState`` / ``SGDState`` inside ``optimizer`` 's state (also inside a ``chain`` or
     ``inject_hyperparams``). Continuing with ``adamw`` equals continuing with
-    ``torch.optim.AdamW`` bit for bit. Hyper-parameters are ``optimizer`` 's, not the torch
-    optimizer's param groups'.
+    ``torch.optim.AdamW`` bit for bit, and ``sgd`` with ``torch.optim.SGD``. Every step counter
+    of the state is set to the steps taken (``inject_hyperparams`` and ``scale_by_schedule``
+    schedules continue where torch's left off). Hyper-parameters are ``optimizer`` 's, not the
+    torch optimizer's param groups'.
 
     Args:
         model: the root module sharded with ``fully_shard``.
         torch_optimizer: a ``torch.optim.AdamW``/``SGD`` over ``model.parameters()`` (e.g.
             after loading an FSDP2 checkpoint into it), or its ``state_dict()`` (keyed by index
             in ``model.parameters()`` order, or by fqn as ``get_optimizer_state_dict`` gives).
-        optimizer: the functional optimizer to continue with.
+        optimizer: the functional optimizer to continue with (its state must hold an
+            ``AdamWState`` or ``SGDState`` when the torch optimizer has moments to carry over).
+        step: the steps the torch optimizer took, where it records none (``torch.optim.SGD``).
 
     Returns:
         A new state (copies; the module and the torch optimizer are unchanged).
+
+    Raises:
+        OptimizerStateError: ``step`` missing for an SGD with momentum buffers, or different
+            from the count torch recorded; or the torch optimizer has moments and
+            ``optimizer`` has no ``adamw``/``sgd`` state to take them (an optax-style chain
+            such as ``scale_by_adam``: they would be dropped silently).
     """
     state = init(model, optimizer)
     per_name = _by_name(model, torch_optimizer)
     names = _trainable(model)
+    taken = _steps_taken(per_name, step)
+    holders = [
+        n
+        for n in optree.tree_leaves(
+            state.opt_state, is_leaf=lambda n: type(n) in _TORCH_KEYS, none_is_leaf=True
+        )
+        if type(n) in _TORCH_KEYS
+    ]
+    moments = {k for s in per_name.values() for k in s if k != "step"}
+    if moments and not holders:
+        raise OptimizerStateError(
+            f"from_torch_optimizer: the torch optimizer has {sorted(moments)}, but the "
+            "functional optimizer's state has no AdamWState or SGDState to take them (they "
+            "would be dropped and training would restart from fresh moments). Continue with "
+            "functional_fsdp.functional.adamw or sgd"
+        )
     opt_state = optree.tree_map(
-        lambda node: _fill(node, per_name, names),
+        lambda node: _fill(node, per_name, names, taken),
         state.opt_state,
         is_leaf=lambda n: type(n) in _TORCH_KEYS,
         none_is_leaf=True,
     )
-    step = next(
-        (
-            int(n.count.item())
-            for n in optree.tree_leaves(opt_state, is_leaf=lambda n: type(n) in _TORCH_KEYS)
-            if type(n) in _TORCH_KEYS
-        ),
-        0,
-    )
-    return attrs.evolve(state, opt_state=opt_state, step=torch.tensor(step, dtype=torch.int64))
+    opt_state = _map_counts(opt_state, taken)
+    return attrs.evolve(state, opt_state=opt_state, step=torch.tensor(taken, dtype=torch.int64))
 
 
 def to_torch_optimizer(

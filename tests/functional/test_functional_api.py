@@ -284,6 +284,80 @@ def test_torch_optimizer_state_resumes_functionally_and_back(world2: Any) -> Non
         assert r == {"resumed": True, "same_sd": True, "back": True}
 
 
+def _case_bridges_keep_counts() -> dict[str, Any]:
+    """torch -> functional for SGD with momentum (torch records no step count) and for AdamW
+    continued under ``inject_hyperparams`` with a schedule: two module-API steps, then two
+    functional steps, against four module-API steps (the same schedule there)."""
+    from functional_fsdp.core.errors import OptimizerStateError
+    from functional_fsdp.functional import (
+        adamw,
+        chain,
+        from_torch_optimizer,
+        inject_hyperparams,
+        make_train_step,
+        scale_by_adam,
+        scale_by_learning_rate,
+        sgd,
+    )
+
+    out: dict[str, Any] = {}
+    # SGD with momentum: the momentum buffer carries on (a count of 0 replaced it).
+    shell, ref = _build(), _build()
+    t_opt = torch.optim.SGD(shell.parameters(), lr=0.05, momentum=0.9)
+    r_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    _shell_steps(shell, t_opt, range(2))
+    _shell_steps(ref, r_opt, range(4))
+    opt = sgd(0.05, momentum=0.9)
+    try:
+        from_torch_optimizer(shell, t_opt, opt)
+        out["sgd_without_step"] = None
+    except OptimizerStateError as e:
+        out["sgd_without_step"] = str(e)
+    state = from_torch_optimizer(shell, t_opt, opt, step=2)
+    step = make_train_step(shell, _loss, opt)
+    for s in range(2, 4):
+        state, _ = step(state, _batch(s))
+    out["sgd"] = _exact(state.params, ref)
+
+    # AdamW under a schedule: the schedule continues at step 2 (it restarted at 0).
+    def lr(count: int) -> float:
+        return 1e-2 * (1.0 - 0.2 * count)
+
+    shell, ref = _build(), _build()
+    t_opt = torch.optim.AdamW(shell.parameters(), lr=lr(0), weight_decay=0.1)
+    r_opt = torch.optim.AdamW(ref.parameters(), lr=lr(0), weight_decay=0.1)
+    for s in range(2):
+        t_opt.param_groups[0]["lr"] = lr(s)
+        _shell_steps(shell, t_opt, range(s, s + 1))
+    for s in range(4):
+        r_opt.param_groups[0]["lr"] = lr(s)
+        _shell_steps(ref, r_opt, range(s, s + 1))
+    opt = inject_hyperparams(adamw)(lr=lr, weight_decay=0.1)
+    state = from_torch_optimizer(shell, t_opt, opt)
+    step = make_train_step(shell, _loss, opt)
+    for s in range(2, 4):
+        state, _ = step(state, _batch(s))
+    out["scheduled"] = _exact(state.params, ref)
+    # An optax-style chain has no AdamWState to take torch's moments: refused, not dropped.
+    try:
+        from_torch_optimizer(shell, t_opt, chain(scale_by_adam(), scale_by_learning_rate(1e-2)))
+        out["chain"] = None
+    except OptimizerStateError as e:
+        out["chain"] = str(e)
+    return out
+
+
+def test_torch_optimizer_state_keeps_its_step_count_functionally(world2: Any) -> None:
+    """From ``torch.optim.SGD`` (no recorded count: ``step=`` is required, else the next
+    functional step was taken as the first and replaced the momentum, 3.47 off) and into an
+    ``inject_hyperparams`` schedule (it restarted at 0, 3.9e-2 off): bit-equal to continuing
+    with torch. A chain without ``AdamWState`` is refused instead of starting fresh."""
+    for r in world2.run(_case_bridges_keep_counts):
+        assert r["sgd_without_step"] is not None and "step=" in r["sgd_without_step"], r
+        assert r["sgd"] == 0.0 and r["scheduled"] == 0.0, r
+        assert r["chain"] is not None and "AdamWState" in r["chain"], r
+
+
 def _case_summon_state() -> dict[str, bool]:
     from functional_fsdp.functional import adamw, init, make_train_step, summon_state, with_params
 
