@@ -87,7 +87,8 @@ class Finalization:
 
     Attributes:
         manual: whether the caller finalizes backward (:meth:`FSDPModule.finalize_backward`).
-        last_backward: the user's ``set_is_last_backward`` value while ``manual`` overrides it.
+        last_backward: the user's last ``set_is_last_backward`` value (FSDP2's flag, recorded:
+            a backward's end lands every reduction unless ``manual``).
         pending: the handle of an asynchronous finalization not yet waited for.
         epoch: bumped by ``reset_iter_state``, which invalidates a pending handle.
     """

@@ -144,11 +144,9 @@ class FSDPModule(TorchFSDPModule):
         (:meth:`set_manual_backward_finalization`) leaves the reductions in flight until
         :meth:`finalize_backward`, and supersedes this flag while on.
         """
-        fin = finalization_of(self)  # type: ignore[arg-type]
-        if fin.manual:
-            fin.last_backward = is_last_backward
-            return
-        self._ffsdp_state.is_last_backward = is_last_backward
+        # Kept (FSDP2's flag), but the end of backward lands every reduction either way: only
+        # manual finalization leaves them in flight (it sets the state's is_last_backward).
+        finalization_of(self).last_backward = is_last_backward  # type: ignore[arg-type]
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """FSDP2 2.15's: whether the caller finishes backward with :meth:`finalize_backward`.
@@ -176,11 +174,8 @@ class FSDPModule(TorchFSDPModule):
             return
         if torch._C._current_graph_task_id() != -1:
             raise StateError("set_manual_backward_finalization cannot change mode during backward")
-        if enabled:
-            fin.last_backward = state.is_last_backward
-            state.is_last_backward = False  # a backward's end finishes nothing
-        else:
-            state.is_last_backward = fin.last_backward
+        # While on, a backward's end finishes nothing; off, it lands every reduction.
+        state.is_last_backward = not enabled
         fin.manual = enabled
 
     def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:

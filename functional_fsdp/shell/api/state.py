@@ -26,7 +26,6 @@ from ..engine.group_common import profiled, traced
 from ..engine.local_step import restore_raised
 from ..engine.tied import LentCall, TiedUse
 from . import buckets, functional_call
-from .finalization import finalization_of
 
 __all__ = ["FSDPState", "hooks_for", "register_fsdp_forward_method"]
 
@@ -471,15 +470,11 @@ class FSDPState:
         if self._plan is not None:
             for bucket in self._plan.reduce_buckets:  # members that got no gradient
                 bucket.flush()
-        # Only manual finalization leaves the reductions in flight past a backward's end (its
-        # finalize_backward lands them). With set_is_last_backward(False) alone they land now:
-        # FSDP2 assigns .grad in each group's post-backward, so a zero_grad() or an optimizer
-        # step after this backward must see this micro-batch's gradients, not have them land
-        # later into whatever .grad has become.
-        last = self.is_last_backward or not finalization_of(self.module).manual
+        # is_last_backward is False only under manual finalization (set_manual_backward_
+        # finalization): the reductions stay in flight until finalize_backward lands them.
         for s in self.all_states:
             if s.group is not None:
-                s.group.finish_backward(last)
+                s.group.finish_backward(self.is_last_backward)
         for s in self.all_states:
             for use in s.tied:
                 use.finish()
