@@ -470,3 +470,69 @@ def test_torch_clip_grad_norm_over_the_policys_parameters_warns(world4: Any) -> 
         for text in seen[:2]:
             assert "torch.nn.utils.clip_grad_norm_ was given parameters of groups" in text
             assert "Use functional_fsdp.clip_grad_norm_(parameters, max_norm)" in text
+
+
+# ------------------------------------------------------------ data-dependent routing
+
+
+class _Routed(torch.nn.Module):
+    """Two blocks; the second block's ``extra`` runs only in micro-batches ``k >= 2`` (as an
+    expert a router sends only some micro-batches to)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+        self.extra = torch.nn.Linear(8, 8)
+        self.use_extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.blocks[0](x))
+        if self.use_extra:
+            x = x + torch.tanh(self.extra(x))
+        return self.blocks[1](x)
+
+
+def case_routed_parameter(n_dp: int) -> dict[str, Any]:
+    """3 AdamW steps of 4 micro-batches on ``n_dp`` data-parallel ranks under
+    ``ReproduciblePolicy(virtual_world_size=4)`` with ``set_reduce_scatter_unused_params``:
+    the routed parameter has no gradient on the rank that ran micro-batches 0 and 1."""
+    import torch.distributed as dist
+
+    from functional_fsdp import ReproduciblePolicy, fully_shard
+
+    ws = dist.get_world_size()
+    mesh = shared_mesh((ws // n_dp, n_dp), ("copies", "dp"))["dp"]
+    torch.manual_seed(0)
+    model = _Routed()
+    policy = ReproduciblePolicy(virtual_world_size=4)
+    fully_shard(model.blocks[1], mesh=mesh, reproducible=policy)
+    fully_shard(model, mesh=mesh, reproducible=policy)
+    model.set_reduce_scatter_unused_params(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    per = 4 // n_dp
+    mine = range(mesh.get_local_rank() * per, (mesh.get_local_rank() + 1) * per)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        xs, ys = torch.randn(4, 2, 8, generator=g), torch.randn(4, 2, 8, generator=g)
+        for k in mine:
+            model.use_extra = k >= 2
+            (torch.nn.functional.mse_loss(model(xs[k]), ys[k]) / per).backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        "params": {n: p.detach().full_tensor() for n, p in model.named_parameters()},
+        "stateless": sorted(n for n, p in model.named_parameters() if p not in opt.state),
+    }
+
+
+def test_a_parameter_some_ranks_never_use_trains_alike_on_one_and_two_ranks(world2) -> None:
+    """With ``set_reduce_scatter_unused_params(True)`` (FSDP2's setting for routed
+    parameters), the tree reduction now lands the summed gradient of a parameter this rank
+    never used: its shard on that rank was left without a gradient and without optimizer
+    state, and 2 ranks differed from 1 everywhere (0.03). (Without the setting the same
+    happens silently: docs/reproducibility.md.)"""
+    one, two = world2.run(case_routed_parameter, 1), world2.run(case_routed_parameter, 2)
+    for a, b in zip(one, two):
+        assert a["stateless"] == [] and b["stateless"] == [], (a["stateless"], b["stateless"])
+        for n in a["params"]:
+            assert torch.equal(a["params"][n], b["params"][n]), n

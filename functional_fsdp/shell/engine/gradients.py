@@ -171,7 +171,11 @@ class GroupGradients:
         self.finish_reduce()
         self.reduce_chain.hand_over(self)
         self.pending_reduce = self.tree.begin(
-            self.state, self.comm, self.replicate_comm, runtime=self.runtime
+            self.state,
+            self.comm,
+            self.replicate_comm,
+            runtime=self.runtime,
+            reduce_unused=self.config.reduce_unused,
         )
 
     def close_tree_leaf(self) -> None:
@@ -290,7 +294,12 @@ class GroupGradients:
         becomes the group's (else it starts from none and keeps none)."""
         if self.tree is not None:  # torch.autograd.grad on the module path, one micro-batch
             new = self.tree.reduce_one(
-                grads, sharded, self.comm, self.replicate_comm, runtime=self.runtime
+                grads,
+                sharded,
+                self.comm,
+                self.replicate_comm,
+                runtime=self.runtime,
+                reduce_unused=self.config.reduce_unused,
             )
             return [new.local_grad(i) for i in range(len(self.layout))]
         state = self.reduce_state if own else NO_REDUCE_STATE

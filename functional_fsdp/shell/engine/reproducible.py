@@ -127,12 +127,16 @@ class TreeAccumulator:
         *,
         runtime: DeviceRuntime,
         async_op: bool = True,
+        reduce_unused: bool = False,
     ) -> PendingTreeReduce:
         """Send the step's subtree sum (after the last micro-batch, on the reduce-scatter
-        stream of ``runtime``); start the next step."""
+        stream of ``runtime``); start the next step. ``reduce_unused``
+        (``set_reduce_scatter_unused_params``): every trainable parameter takes its reduced
+        gradient, also one with no gradient on this rank (data-dependent routing)."""
         if self.sums.count != self.per_rank:
             raise ReproducibilityError(self._wrong_count(self.sums.count))
-        root, present = self.sums.root(), self.present or []
+        root = self.sums.root()
+        present = _with_unused(self.present or [], sharded, reduce_unused)
         self.reset()
         if self.awaits_step:
             _COMPLETE.add(self)
@@ -157,6 +161,7 @@ class TreeAccumulator:
         replicate_comm: Communicator | None,
         *,
         runtime: DeviceRuntime,
+        reduce_unused: bool = False,
     ) -> ShardedState:
         """Reduce one backward's gradients at once (``torch.autograd.grad`` returns them):
         possible only when the step has one micro-batch per rank (``V == N``)."""
@@ -168,7 +173,7 @@ class TreeAccumulator:
                 "functional_fsdp.functional.make_train_step(..., reproducible=policy)"
             )
         leaf = pack_grads(grads, sharded.layout)
-        present = [g is not None for g in grads]
+        present = _with_unused([g is not None for g in grads], sharded, reduce_unused)
         pending = ordering.issue_tree_reduce(
             runtime,
             leaf,
@@ -287,7 +292,13 @@ class TreeReductions:
         out: dict[int, torch.Tensor] = {}
         pending = []
         for acc, sharded, group, sources in self._groups.values():
-            p = acc.begin(sharded, group.comm, group.replicate_comm, runtime=group.runtime)
+            p = acc.begin(
+                sharded,
+                group.comm,
+                group.replicate_comm,
+                runtime=group.runtime,
+                reduce_unused=group.config.reduce_unused,
+            )
             pending.append((p, sources, group.runtime))
         self._groups.clear()
         for p, sources, runtime in pending:
@@ -297,3 +308,12 @@ class TreeReductions:
                 if g is not None:
                     out[src] = g
         return out
+
+
+def _with_unused(present: Sequence[bool], sharded: ShardedState, reduce_unused: bool) -> list[bool]:
+    """The parameters that take their reduced gradient: those with one on this rank, and with
+    ``reduce_unused`` every trainable one (the packed zeros of a rank without a gradient are
+    summed with the others' gradients: the same sum on every rank and at every world size)."""
+    if not reduce_unused:
+        return list(present)
+    return [p or s.requires_grad for p, s in zip(present, sharded.layout.specs)]
