@@ -80,13 +80,29 @@ def _case(fn: Callable[..., Any], args: tuple) -> Any:
     dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
     torch.manual_seed(0)
     try:
-        return fn(*args)
+        return _returnable(fn(*args))
     finally:
         torch.set_default_dtype(dtype)
         torch.set_grad_enabled(grad)
         if os.environ != env:
             os.environ.clear()
             os.environ.update(env)
+
+
+def _returnable(result: Any) -> Any:
+    """``result``, after checking it can cross to the test's process: a tensor that is not
+    a leaf of autograd's graph cannot be pickled, and the queue's feeder thread only prints
+    that, so the case would hang until its timeout instead of failing here."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(result):
+        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+            raise TypeError(
+                "the case returned a tensor that autograd recorded (it has a grad_fn); return "
+                "t.detach() (a result cannot cross to the test's process with its graph)"
+            )
+    return result
 
 
 def _blocked_waits(grace_s: float) -> list[str]:

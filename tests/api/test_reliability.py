@@ -630,3 +630,25 @@ def test_optimizer_built_before_fully_shard_is_refused_by_name(world2: World) ->
         assert "AdamW holds 1 parameter(s)" in r["added"] and "'tok.weight'" in r["added"]
         hooks = r["hooks"]  # it sees the DTensor parameters, before the local-shard swap
         assert hooks.index("check_replaced_params") < hooks.index("_to_local")
+
+
+# ------------------------------------------------------------------ the test worlds themselves
+
+
+def case_returns_a_recorded_tensor() -> torch.Tensor:
+    w = torch.ones(2, requires_grad=True)
+    return w * 2
+
+
+def test_a_case_returning_a_recorded_tensor_fails_at_once(world2: World) -> None:
+    """The test worlds' harness: such a result cannot be pickled, and the queue only printed
+    that, so the case waited for its whole timeout (180 s) with no answer. It now fails at
+    once, naming the fix."""
+    import time
+
+    from _dist import RankError
+
+    start = time.monotonic()
+    with pytest.raises(RankError, match="detach"):
+        world2.run(case_returns_a_recorded_tensor)
+    assert time.monotonic() - start < 60
