@@ -44,19 +44,6 @@ _RING = 4096
 LIVE: weakref.WeakSet[ProcessGroupComm] = weakref.WeakSet()
 
 
-class _Posted:
-    """A point-to-point collective posted and not yet waited for: its fingerprint, its
-    messages (``(is a send, group rank, tag, bytes)``, for :meth:`ProcessGroupComm.drain`) and
-    its handle once made."""
-
-    __slots__ = ("fp", "handle", "messages")
-
-    def __init__(self, fp: int, messages: list) -> None:
-        self.fp = fp
-        self.messages = messages
-        self.handle: _ThenWork | None = None
-
-
 class _ThenWork:
     """Wait for ``works`` (bounded, abort-aware, through ``comm``), then run ``then`` once
     (e.g. the local sum of a point-to-point reduce-scatter). ``seq``: the collective's number
@@ -76,9 +63,6 @@ class _ThenWork:
         self._then = then
         self._comm = comm
         self._seq = seq
-        posted = comm._pending.get(seq)
-        if posted is not None:
-            posted.handle = self  # drain completes it if the step fails unwaited
 
     def wait(self) -> None:
         if self._works:
@@ -93,21 +77,6 @@ class _ThenWork:
     def is_completed(self) -> bool:
         """Whether every message completed (no waiting; ``then`` may not have run yet)."""
         return all(w.is_completed() for w in self._works)
-
-    def settle(self, waited_elsewhere: set[int]) -> None:
-        """:meth:`ProcessGroupComm.drain`: wait for the messages nobody waits for, now that
-        every rank has posted both sides of them; a later :meth:`wait` then only runs ``then``.
-
-        A gloo point-to-point work reports itself complete only once waited for, so an
-        abandoned collective nobody waits for would look in flight for ever, and the
-        buffers kept for it (``AbandonedWork``) would never be freed. Works a retired waiter
-        thread is still blocked on (``waited_elsewhere``, by id) are left to it: a second wait
-        of a gloo work waits for a message that never comes."""
-        left = [w for w in self._works if id(w) not in waited_elsewhere and not w.is_completed()]
-        if left:
-            self._comm.wait_works(left, "a collective the failed step left in flight")
-        if all(w.is_completed() for w in self._works):
-            self._works = []
 
 
 class ProcessGroupComm:
@@ -157,7 +126,7 @@ class ProcessGroupComm:
         # Collective #n of this epoch: (n, key, kind, group name) at n % _RING.
         self._history: list[tuple[int, int, int, str | None] | None] = [None] * _RING
         # Point-to-point collectives posted and not yet waited for: seq -> (fp, messages).
-        self._pending: dict[int, _Posted] = {}
+        self._pending: dict[int, tuple[int, list]] = {}
         # The communicators of the same process group the model uses (a peer's position may
         # be on any of them); told at the root's lazy init (scoped.introduce).
         self._siblings: weakref.WeakValueDictionary[int, ProcessGroupComm] = (
@@ -256,7 +225,7 @@ class ProcessGroupComm:
     def _remember(self, seq: int, key: int, kind: int, messages: list) -> None:
         """Note collective ``seq``'s posted messages until it is waited for (see :meth:`drain`)."""
         if messages:
-            self._pending[seq] = _Posted(key * 16 + kind, messages)
+            self._pending[seq] = (key * 16 + kind, messages)
             if len(self._pending) > _RING:  # dropped unwaited long ago: surely complete
                 del self._pending[next(iter(self._pending))]
 
@@ -503,15 +472,13 @@ class ProcessGroupComm:
         the peer's exit wakes them during interpreter shutdown (the process aborts with
         ``terminate called without an active exception``). Each rank publishes its unwaited
         collectives; for each one a peer ran differently, the peer posts the counterpart
-        messages (zeros into a scratch buffer), and waits for them. Then every unwaited
-        collective can complete, and each is waited for here (:meth:`_ThenWork.settle`): the
-        buffers a failed step left in flight are freed once it completes.
+        messages (zeros into a scratch buffer), and waits for them.
         """
         if self._world_size == 1:
             return
         store = self._get_store()
         me = self._rank
-        mine = [[seq, p.fp, p.messages] for seq, p in self._pending.items()]
+        mine = [[seq, fp, messages] for seq, (fp, messages) in self._pending.items()]
         key = f"{self._pg_prefix}{self._uid}/unwaited/{self._epoch}/"
         store.set(f"{key}{me}", json.dumps(mine))
         self._barrier("drain")
@@ -533,13 +500,9 @@ class ProcessGroupComm:
                         )
         works = dist.batch_isend_irecv(fixes) if fixes else []
         self.wait_works(works, "the messages reset_iter_state completes for the failed step")
-        self._retired = reap(self._retired, self.timeout_s)
-        waited_elsewhere = {id(w) for ws in self._abandoned for w in ws}
-        for posted in self._pending.values():
-            if posted.handle is not None:
-                posted.handle.settle(waited_elsewhere)
         self._pending.clear()
         self._abandoned.clear()
+        self._retired = reap(self._retired, self.timeout_s)
 
     def _barrier(self, name: str) -> None:
         """Wait until every rank of the group reached ``name`` (through the store; bounded)."""
