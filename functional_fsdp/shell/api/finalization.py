@@ -87,15 +87,12 @@ class Finalization:
 
     Attributes:
         manual: whether the caller finalizes backward (:meth:`FSDPModule.finalize_backward`).
-        last_backward: the user's last ``set_is_last_backward`` value (FSDP2's flag, recorded:
-            a backward's end lands every reduction unless ``manual``).
         pending: the handle of an asynchronous finalization not yet waited for.
         epoch: bumped by ``reset_iter_state``, which invalidates a pending handle.
     """
 
     def __init__(self) -> None:
         self.manual = False
-        self.last_backward = True
         self.pending: GradientReductionHandle | None = None
         self.epoch = 0
 

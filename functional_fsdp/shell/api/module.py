@@ -144,9 +144,10 @@ class FSDPModule(TorchFSDPModule):
         (:meth:`set_manual_backward_finalization`) leaves the reductions in flight until
         :meth:`finalize_backward`, and supersedes this flag while on.
         """
-        # Kept (FSDP2's flag), but the end of backward lands every reduction either way: only
-        # manual finalization leaves them in flight (it sets the state's is_last_backward).
-        finalization_of(self).last_backward = is_last_backward  # type: ignore[arg-type]
+        # Accepted for FSDP2's callers; nothing depends on it: the end of backward lands every
+        # reduction either way (only manual finalization, through the state's
+        # is_last_backward, leaves them in flight).
+        del is_last_backward
 
     def set_manual_backward_finalization(self, enabled: bool) -> None:
         """FSDP2 2.15's: whether the caller finishes backward with :meth:`finalize_backward`.
