@@ -135,6 +135,14 @@ def _by_name(model: nn.Module, torch_opt: Any) -> dict[str, dict[str, Any]]:
     return {order[k]: torch_opt["state"].get(i, {}) for k, i in enumerate(ids)}
 
 
+def _torch_nodes(opt_state: Any) -> list[Any]:
+    """The ``AdamWState`` / ``SGDState`` nodes of an optimizer state (what torch's maps to)."""
+    leaves = optree.tree_leaves(
+        opt_state, is_leaf=lambda n: type(n) in _TORCH_KEYS, none_is_leaf=True
+    )
+    return [n for n in leaves if type(n) in _TORCH_KEYS]
+
+
 def _steps_taken(per_name: dict[str, dict[str, Any]], step: int | None) -> int:
     """The torch optimizer's step count: its recorded ``step`` (AdamW), else ``step``.
 
@@ -240,13 +248,7 @@ def from_torch_optimizer(
     per_name = _by_name(model, torch_optimizer)
     names = _trainable(model)
     taken = _steps_taken(per_name, step)
-    holders = [
-        n
-        for n in optree.tree_leaves(
-            state.opt_state, is_leaf=lambda n: type(n) in _TORCH_KEYS, none_is_leaf=True
-        )
-        if type(n) in _TORCH_KEYS
-    ]
+    holders = _torch_nodes(state.opt_state)
     moments = {k for s in per_name.values() for k in s if k != "step"}
     if moments and not holders:
         raise OptimizerStateError(
@@ -281,11 +283,7 @@ def to_torch_optimizer(
     """
     _check_model(model, "to_torch_optimizer")
     apply_to_module(state, model)
-    nodes = [
-        n
-        for n in optree.tree_leaves(state.opt_state, is_leaf=lambda n: type(n) in _TORCH_KEYS)
-        if type(n) in _TORCH_KEYS
-    ]
+    nodes = _torch_nodes(state.opt_state)
     if len(nodes) != 1:
         raise OptimizerStateError(
             f"to_torch_optimizer: the state needs exactly one AdamWState or SGDState, found "
