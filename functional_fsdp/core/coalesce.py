@@ -524,6 +524,7 @@ def issue_reduce_coalesced(
                 r.all_reduce,
                 r.reduce_state,
                 send,
+                r.flagged,
             )
         )
     return pendings

@@ -91,11 +91,12 @@ class GradCompression:
 
 def wire_bytes(layout: GroupLayout, policy: GradCompression | None) -> int:
     """Bytes this rank sends per reduction of ``layout``'s group: the ``ws - 1`` rows it sends
-    its peers, encoded by ``policy`` (``None``: fp32 rows in the reduce dtype, as FSDP2)."""
+    its peers, encoded by ``policy`` (``None``: rows in the reduce dtype, as FSDP2's, and one
+    presence flag per parameter: ``reduction.carries_presence``)."""
     ws = layout.world_size
     numel = layout.shard_numel
     if policy is None:
-        return (ws - 1) * numel * layout.grad_reduce_dtype().itemsize
+        return (ws - 1) * (numel + len(layout)) * layout.grad_reduce_dtype().itemsize
     return (ws - 1) * policy.row_bytes(numel)
 
 

@@ -15,6 +15,7 @@ Re-exported by :mod:`functional_fsdp.core.transitions`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -29,6 +30,7 @@ from .comm import (
     DoneWork,
     PiecesCommunicator,
     Work,
+    capabilities,
     check_comm,
     collective_or_copy,
     uses_pieces,
@@ -43,7 +45,9 @@ __all__ = [
     "ReducePolicy",
     "ReduceState",
     "accumulate_local_grads",
+    "agreed_present",
     "begin_reduce",
+    "carries_presence",
     "finish_reduce",
     "hold_unsynced",
     "issue_reduce",
@@ -52,6 +56,7 @@ __all__ = [
     "reduce_grad",
     "reduce_grad_with_state",
     "reduce_input",
+    "reduce_row_numel",
     "release_unsynced",
     "split_reduced",
 ]
@@ -93,12 +98,16 @@ def pack_grads(
     device: torch.device | None = None,
     out: torch.Tensor | None = None,
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
+    flags: bool = False,
 ) -> torch.Tensor:
     """Reduce-scatter input: grads cast to the reduce dtype, padded, packed as ``(ws, S)``.
 
-    Missing gradients pack as zeros. ``out``: a ``(ws, S)`` tensor of the reduce dtype to pack
-    into (*donated*: written in place), e.g. this group's columns of a bucket's send buffer;
-    the result is then ``out`` itself (flat only when ``out`` is contiguous). Else ``alloc``
+    Missing gradients pack as zeros. ``flags=True`` appends one presence flag per parameter
+    to every row (``(ws, S + P)``, :func:`reduce_row_numel`): 1 where this rank has the
+    gradient, else 0, so that the reduced shard says which parameters *some* rank had
+    (:func:`agreed_present`). ``out``: a tensor of that shape in the reduce dtype to pack into
+    (*donated*: written in place), e.g. this group's columns of a bucket's send buffer; the
+    result is then ``out`` itself (flat only when ``out`` is contiguous). Else ``alloc``
     (default ``torch.empty``) makes the buffer when every gradient is present.
     """
     layout.check_full(grads, what="reduce_grad")
@@ -106,7 +115,8 @@ def pack_grads(
     ws = layout.world_size
     present = [g for g in grads if g is not None]
     dev = device or (present[0].device if present else torch.device("cpu"))
-    total = layout.shard_numel
+    total = reduce_row_numel(layout, flags)
+    mask = tuple(g is not None for g in grads) if flags else ()
     # torch._chunk_cat rejects empty tensors: zero-size gradients take the general path.
     fast = bool(present) and len(present) == len(grads) and all(g.numel() > 0 for g in present)
     if out is not None and (tuple(out.shape) != (ws, total) or out.dtype != dtype):
@@ -116,6 +126,8 @@ def pack_grads(
         )
     if fast and layout.dim0:
         cast = [g if g.dtype == dtype else g.to(dtype) for g in present]
+        if flags:
+            cast.append(_flag_rows(ws, mask, dtype, dev))
         if out is None:
             out = (alloc or empty_buffer)(ws * total, dtype, dev).view(ws, total)
         torch._chunk_cat(cast, dim=0, num_chunks=ws, out=out)
@@ -124,6 +136,8 @@ def pack_grads(
         out = torch.zeros(ws, total, dtype=dtype, device=dev)
     else:
         out.zero_()
+    if flags:
+        out.narrow(1, layout.shard_numel, len(mask)).copy_(_flag_rows(ws, mask, dtype, dev))
     off = 0
     for i, g in enumerate(grads):
         n = L.prod(layout.shard_shapes[i])
@@ -140,6 +154,55 @@ def pack_grads(
 
 def _flat_if_contiguous(out: torch.Tensor) -> torch.Tensor:
     return out.view(-1) if out.is_contiguous() else out
+
+
+@functools.lru_cache(maxsize=256)
+def _flag_rows(
+    ws: int, mask: tuple[bool, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The ``(ws, P)`` presence flags a rank sends (the same row to every rank): a constant,
+    made once per mask (read only: packed by copy)."""
+    row = torch.tensor([1.0 if m else 0.0 for m in mask], dtype=dtype)
+    return row.expand(ws, len(mask)).contiguous().to(device)
+
+
+def reduce_row_numel(layout: GroupLayout, flagged: bool) -> int:
+    """The width of one rank's row of a reduce-scatter of ``layout``: its padded shard
+    (``shard_numel``), plus one presence flag per parameter when the reduction carries them
+    (:func:`carries_presence`)."""
+    return layout.shard_numel + (len(layout) if flagged else 0)
+
+
+def carries_presence(comm: Communicator, policy: ReducePolicy) -> bool:
+    """Whether a reduction under ``policy`` over ``comm`` carries one presence flag per
+    parameter in its payload, so that every rank lands a gradient some rank had and none
+    that no rank had (:func:`agreed_present`): a parameter a rank never used this backward
+    (a routed expert) still gets the sum of the others' gradients there.
+
+    Not needed with ``reduce_unused`` (every trainable parameter lands). Not carried by a
+    compressed reduction (flags would share the quantization blocks of the gradients), which
+    lands every trainable parameter instead, nor by the user's own reduce-scatter
+    (``set_custom_reduce_scatter``), which sees FSDP2's buffer sizes and lands what this rank
+    had, as FSDP2's does.
+    """
+    return (
+        not policy.reduce_unused
+        and policy.compression is None
+        and not capabilities(comm).custom_reduce_scatter
+    )
+
+
+def agreed_present(
+    present: Sequence[bool], layout: GroupLayout, out: torch.Tensor, flagged: bool
+) -> tuple[bool, ...]:
+    """Which parameters the reduced shard ``out`` lands: those this rank had (``present``) or,
+    when the reduction carried presence flags (``flagged``), any rank had (a flag summed over
+    the ranks is nonzero). The flags are read (a device sync) only when this rank lacks a
+    trainable parameter's gradient; with every one present the union is known."""
+    if not flagged or all(p or not s.requires_grad for p, s in zip(present, layout.specs)):
+        return tuple(present)
+    flags = out.narrow(0, layout.shard_numel, len(layout)).tolist()
+    return tuple(bool(p or f != 0) for p, f in zip(present, flags))
 
 
 @attrs.frozen
@@ -202,7 +265,8 @@ class ReduceState:
             compressed reduction.
         partial: HSDP's reduce-scattered sum not yet all-reduced across the replicas
             (:attr:`ReducePolicy.all_reduce` ``False``), in the reduce dtype; added before the
-            next all-reduce.
+            next all-reduce. One reduce-scatter row (:func:`reduce_row_numel`): the padded
+            shard, then the summed presence flags when the reduction carries them.
         unsynced: full gradients held while gradient sync is off (FSDP2's
             ``set_requires_gradient_sync(False)``), one per parameter (``None``: none yet), in
             the reduce dtype: :func:`hold_unsynced` adds to them, :func:`release_unsynced`
@@ -213,8 +277,10 @@ class ReduceState:
     partial: torch.Tensor | None = None
     unsynced: tuple[torch.Tensor | None, ...] | None = None
 
-    def check(self, layout: GroupLayout) -> None:
-        """Refuse a state that does not belong to ``layout`` (a residual of another size)."""
+    def check(self, layout: GroupLayout, row_numel: int | None = None) -> None:
+        """Refuse a state that does not belong to ``layout`` (a residual of another size).
+        ``row_numel``: the reduction's row width (:func:`reduce_row_numel`; default the
+        padded shard), the size of a partial sum."""
         if self.residual is not None:
             numel = layout.world_size * layout.shard_numel
             if self.residual.dtype != torch.float32 or tuple(self.residual.shape) != (numel,):
@@ -229,11 +295,12 @@ class ReduceState:
                 f"ReduceState.unsynced holds {len(self.unsynced)} gradients for "
                 f"{len(layout)} parameters; start from ReduceState() after the layout changes"
             )
-        if self.partial is not None and self.partial.numel() != layout.shard_numel:
+        width = layout.shard_numel if row_numel is None else row_numel
+        if self.partial is not None and self.partial.numel() != width:
             raise LayoutMismatchError(
-                f"ReduceState.partial must hold {layout.shard_numel} elements (one padded "
-                f"shard), got {self.partial.numel()}; start from ReduceState() after the "
-                "layout changes"
+                f"ReduceState.partial must hold {width} elements (one padded shard and the "
+                f"presence flags), got {self.partial.numel()}; start from ReduceState() after "
+                "the layout or the reduction settings change"
             )
 
 
@@ -288,7 +355,9 @@ class PendingReduce:
     :func:`finish_reduce` turns it into a new sharded state and reduction state (the one it
     started from, ``reduce_state``, with a new residual). Its output buffer (and ``input``,
     the packed reduce-scatter input, ``None`` on the pieces path) is owned by the collective
-    until ``work.wait()``; then ``input`` is the caller's to free."""
+    until ``work.wait()``; then ``input`` is the caller's to free. ``present``: the parameters
+    this rank had a gradient for; ``flagged``: the output ends with the summed presence flags
+    (:func:`agreed_present` lands what any rank had)."""
 
     sharded: ShardedState
     output: torch.Tensor
@@ -299,6 +368,7 @@ class PendingReduce:
     all_reduce: bool
     reduce_state: ReduceState = NO_REDUCE_STATE
     input: torch.Tensor | None = None
+    flagged: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -307,7 +377,8 @@ class ReduceInput:
     :func:`issue_reduce` (a caller may run the two on different streams). ``packed`` is the
     reduce-scatter input (cast, padded, pre-divided: a new buffer), or ``None`` on the pieces
     path, which sends each rank its rows straight from ``grads``. ``reduce_state``: the state
-    the reduction starts from."""
+    the reduction starts from. ``flagged``: the rows carry presence flags
+    (:func:`carries_presence`)."""
 
     sharded: ShardedState
     grads: tuple[torch.Tensor | None, ...]
@@ -320,6 +391,7 @@ class ReduceInput:
     all_reduce: bool
     compression: GradCompression | None
     reduce_state: ReduceState = NO_REDUCE_STATE
+    flagged: bool = False
 
 
 def begin_reduce(
@@ -394,18 +466,21 @@ def reduce_input(
     if not isinstance(sharded, ShardedState):
         raise StateError(f"reduce_grad writes into a ShardedState, got {type(sharded).__name__}")
     lay = sharded.layout
+    flagged = carries_presence(comm, policy)
     if reduce_state is not NO_REDUCE_STATE:
         if not isinstance(reduce_state, ReduceState):
             raise StateError(
                 f"reduce_state must be a functional_fsdp.ReduceState, got "
                 f"{type(reduce_state).__name__}"
             )
-        reduce_state.check(lay)
+        reduce_state.check(lay, reduce_row_numel(lay, flagged))
     check_comm(comm, lay.world_size, "reduce_grad")
     glist = _grad_list(grads, lay)
+    # Without flags every trainable parameter lands when asked to (reduce_unused), and under
+    # compression, whose error feedback carries a residual for each.
+    every = policy.reduce_unused or policy.compression is not None
     present = tuple(
-        (g is not None) or (policy.reduce_unused and s.requires_grad)
-        for g, s in zip(glist, lay.specs)
+        (g is not None) or (every and s.requires_grad) for g, s in zip(glist, lay.specs)
     )
     rdtype = lay.grad_reduce_dtype()
     ar_size = replicate_comm.world_size if replicate_comm is not None else 1
@@ -423,7 +498,11 @@ def reduce_input(
         and factors.pre in (None, 1)
         and factors.premul is None
     )
-    packed = None if pieces else _pack_input(glist, lay, factors, device, compression, out, alloc)
+    packed = (
+        None
+        if pieces
+        else _pack_input(glist, lay, factors, device, compression, out, alloc, flagged)
+    )
     return ReduceInput(
         sharded,
         tuple(glist),
@@ -436,6 +515,7 @@ def reduce_input(
         policy.all_reduce,
         compression,
         reduce_state,
+        flagged,
     )
 
 
@@ -459,6 +539,7 @@ def issue_reduce(
             rin.device,
             alloc,
             async_op,
+            rin.flagged,
         )
     else:
         out, work, residual = _reduce_packed(
@@ -483,6 +564,7 @@ def issue_reduce(
         rin.all_reduce,
         state,
         None if out is rin.packed else rin.packed,  # an output is never freed as an input
+        rin.flagged,
     )
 
 
@@ -494,11 +576,17 @@ def _pack_input(
     compression: GradCompression | None,
     out: torch.Tensor | None = None,
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None = None,
+    flagged: bool = False,
 ) -> torch.Tensor:
-    """The packed reduce-scatter input: the gradients packed (into ``out`` when given), in fp32
-    for a compressed reduction, pre-divided."""
+    """The packed reduce-scatter input: the gradients (and presence flags when ``flagged``)
+    packed (into ``out`` when given), in fp32 for a compressed reduction, pre-divided."""
     inp = pack_grads(
-        glist, lay, device=device, out=None if compression is not None else out, alloc=alloc
+        glist,
+        lay,
+        device=device,
+        out=None if compression is not None else out,
+        alloc=alloc,
+        flags=flagged,
     )
     if compression is not None and lay.world_size > 1 and inp.dtype != torch.float32:
         inp = inp.float()
@@ -563,7 +651,10 @@ def finish_reduce(
         if pending.replicate_comm.world_size > 1:
             pending.replicate_comm.all_reduce(out, op=factors.all_reduce_op).wait()
     out = factors.scale_output(out)
-    grads = split_reduced(sharded, out, pending.present, accumulate=accumulate)
+    present = pending.present
+    if pending.sharded.layout.world_size > 1 or pending.replicate_comm is not None:
+        present = agreed_present(present, sharded.layout, out, pending.flagged)
+    grads = split_reduced(sharded, out, present, accumulate=accumulate)
     return attrs.evolve(sharded, grads=grads), state
 
 
@@ -706,13 +797,15 @@ def _reduce_pieces(
     device: torch.device,
     alloc: Callable[[int, torch.dtype, torch.device], torch.Tensor] | None,
     async_op: bool,
+    flagged: bool,
 ) -> tuple[torch.Tensor, Work]:
     """Send each rank its rows of each gradient straight from the gradient tensors; receive this
     rank's rows into the (padded) output regions. No packed copy of the gradients. A missing
-    gradient is sent as zeros, as the packed path packs it."""
+    gradient is sent as zeros, as the packed path packs it; the presence flags (``flagged``)
+    travel as one more piece, into the output's tail."""
     lay, ws = sharded.layout, sharded.layout.world_size
     numels = [L.prod(sh) for sh in lay.shard_shapes]
-    out = (alloc or empty_buffer)(sum(numels), rdtype, device)
+    out = (alloc or empty_buffer)(reduce_row_numel(lay, flagged), rdtype, device)
     sends: list[list[torch.Tensor]] = [[] for _ in range(ws)]
     outs: list[torch.Tensor] = []
     off = 0
@@ -730,6 +823,11 @@ def _reduce_pieces(
             region_i.narrow(0, mine, numels[i] - mine).zero_()
         outs.append(region_i.narrow(0, 0, mine))
         off += numels[i]
+    if flagged:
+        rows = _flag_rows(ws, tuple(g is not None for g in glist), rdtype, device)
+        for r in range(ws):
+            sends[r].append(rows[r])
+        outs.append(out.narrow(0, off, len(glist)))
     return out, comm.reduce_scatter_pieces(outs, sends, op=factors.op, async_op=async_op)
 
 

@@ -34,7 +34,7 @@ from ._tree import STATIC, register
 from .comm import Communicator, Work, check_comm, collective_or_copy
 from .errors import ReproducibilityError, StateError
 from .records import ShardedState
-from .reduction import split_reduced
+from .reduction import agreed_present, reduce_row_numel, split_reduced
 
 __all__ = [
     "PendingTreeReduce",
@@ -198,18 +198,21 @@ def begin_tree_reduce(
 
     ``subtree``: this rank's micro-batch gradients summed in the canonical tree
     (:class:`TreeSums`), packed as the reduce-scatter input is (``reduction.pack_grads``:
-    ``(world_size, shard_numel)`` in the reduce dtype). One all-to-all over the shard group
-    (the bytes of a reduce-scatter) gives this rank row ``r`` of every rank ``r``'s subtree.
+    ``(world_size, shard_numel)`` in the reduce dtype, or with the presence flags,
+    ``pack_grads(flags=True)``, when ``present`` may differ between the ranks: the reduction
+    then lands what any rank had). One all-to-all over the shard group (the bytes of a
+    reduce-scatter) gives this rank row ``r`` of every rank ``r``'s subtree.
     """
     if not isinstance(sharded, ShardedState):
         raise StateError(f"a reduction writes into a ShardedState, got {type(sharded).__name__}")
     lay = sharded.layout
     check_comm(comm, lay.world_size, "reproducible reduce")
-    want = lay.world_size * lay.shard_numel
-    if subtree.dim() != 1 or subtree.numel() != want:
+    want = [lay.world_size * reduce_row_numel(lay, flagged) for flagged in (False, True)]
+    if subtree.dim() != 1 or subtree.numel() not in want:
         raise ReproducibilityError(
-            f"the packed subtree sum has shape {tuple(subtree.shape)}; expected ({want},) "
-            "(world_size * shard_numel, packed by reduction.pack_grads)"
+            f"the packed subtree sum has shape {tuple(subtree.shape)}; expected ({want[0]},) "
+            f"(world_size * shard_numel, packed by reduction.pack_grads) or ({want[1]},) (with "
+            "the presence flags, pack_grads(flags=True))"
         )
     pieces = torch.empty_like(subtree)
     work = collective_or_copy(
@@ -221,6 +224,12 @@ def begin_tree_reduce(
     return PendingTreeReduce(sharded, pieces, work, tuple(present), replicate_comm, subtree)
 
 
+def _tree_flagged(pending: PendingTreeReduce) -> bool:
+    """Whether the reduction's rows carry the presence flags (their width says)."""
+    lay = pending.sharded.layout
+    return len(lay) > 0 and pending.pieces.numel() == lay.world_size * reduce_row_numel(lay, True)
+
+
 def finish_tree_reduce(pending: PendingTreeReduce, *, accumulate: bool = True) -> ShardedState:
     """Wait; add the ``N`` pieces pairwise in rank order (then, under HSDP, the replicas'
     sums pairwise in replica order, through one all-gather); average over the data-parallel
@@ -228,7 +237,8 @@ def finish_tree_reduce(pending: PendingTreeReduce, *, accumulate: bool = True) -
     pending.work.wait()
     sharded = pending.sharded
     lay = sharded.layout
-    ws, size = lay.world_size, lay.shard_numel
+    flagged = _tree_flagged(pending)
+    ws, size = lay.world_size, reduce_row_numel(lay, flagged)
     rep = pending.replicate_comm
     replicas = 1 if rep is None else rep.world_size
 
@@ -239,7 +249,10 @@ def finish_tree_reduce(pending: PendingTreeReduce, *, accumulate: bool = True) -
         return gathered
 
     out = canonical_mean(pending.pieces.view(ws, size), replicas, gather_replicas)
-    grads = split_reduced(sharded, out, pending.present, accumulate=accumulate)
+    present = pending.present
+    if ws > 1 or rep is not None:
+        present = agreed_present(present, lay, out, flagged)
+    grads = split_reduced(sharded, out, present, accumulate=accumulate)
     return attrs.evolve(sharded, grads=grads)
 
 

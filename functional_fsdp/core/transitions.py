@@ -55,6 +55,7 @@ from .reduction import (
     ReduceState,
     accumulate_local_grads,
     begin_reduce,
+    carries_presence,
     empty_buffer,
     finish_reduce,
     issue_reduce,
@@ -62,6 +63,7 @@ from .reduction import (
     reduce_grad,
     reduce_grad_with_state,
     reduce_input,
+    reduce_row_numel,
 )
 
 __all__ = [
@@ -76,6 +78,7 @@ __all__ = [
     "accumulate_local_grads",
     "begin_reduce",
     "begin_unshard",
+    "carries_presence",
     "copy_out",
     "encode_unshard",
     "finish_reduce",
@@ -90,6 +93,7 @@ __all__ = [
     "reduce_grad",
     "reduce_grad_with_state",
     "reduce_input",
+    "reduce_row_numel",
     "reshard",
     "shard",
     "shard_tensors",

@@ -12,6 +12,7 @@ from _transition_helpers import SEEDS
 from hypothesis import given, settings
 from strategies import param_trees, world_sizes
 
+from functional_fsdp.core.comm import PLAIN_COMM
 from functional_fsdp.core.compression import GradCompression
 from functional_fsdp.core.errors import LayoutMismatchError, StateError
 from functional_fsdp.core.reduction import (
@@ -20,6 +21,7 @@ from functional_fsdp.core.reduction import (
     hold_unsynced,
     reduce_grad,
     reduce_grad_with_state,
+    reduce_row_numel,
     release_unsynced,
 )
 from functional_fsdp.core.transitions import shard
@@ -32,6 +34,7 @@ class _Silent:
     """A communicator on which any collective fails the test: the refusal must come first."""
 
     world_size, rank, supports_pieces = 2, 0, False
+    capabilities = PLAIN_COMM  # what it declares, read before the checks: no collective
 
     def __getattr__(self, name: str) -> Any:
         raise AssertionError(f"a collective ran: {name}")
@@ -92,7 +95,7 @@ def test_a_reduction_carries_the_held_gradients_and_the_other_reducers_state() -
         s = shard(tree, world_size=2, rank=c.rank)
         state = ReduceState(
             residual=torch.zeros(2 * s.layout.shard_numel),
-            partial=torch.zeros(s.layout.shard_numel),
+            partial=torch.zeros(reduce_row_numel(s.layout, True)),  # the shard, then the flags
             unsynced=held,
         )
         return state, reduce_grad_with_state(tree, s, state, c)[1]

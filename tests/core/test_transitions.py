@@ -28,6 +28,7 @@ from functional_fsdp.core import layout as L
 from functional_fsdp.core.compression import GradCompression
 from functional_fsdp.core.errors import LayoutMismatchError, StateError
 from functional_fsdp.core.records import PostForwardState, ShardedState
+from functional_fsdp.core.reduction import reduce_row_numel
 from functional_fsdp.core.transitions import (
     ReducePolicy,
     ReduceState,
@@ -466,7 +467,7 @@ def _with_every_field(
         for i, (shape, s) in enumerate(zip(lay.shard_shapes, lay.specs))
     )
     carry = ReduceState(
-        partial=torch.randn(lay.shard_numel, generator=gen) if has["partial"] else None,
+        partial=torch.randn(reduce_row_numel(lay, True), generator=gen) if has["partial"] else None,
         residual=torch.randn(lay.world_size * lay.shard_numel, generator=gen)
         if has["residual"]
         else None,
@@ -523,7 +524,10 @@ def test_transitions_carry_every_field_they_do_not_change(
             _assert_carried(s, kept, {"grads"})
             _assert_carried(carry, same, set())  # neither compressed nor HSDP: carried as is
             # Compression changes the residual too (error feedback), and nothing else (a group
-            # of only empty shards included: nothing goes on the wire).
+            # of only empty shards included: nothing goes on the wire). Its rows carry no
+            # presence flags: a partial sum is one padded shard.
+            if carry.partial is not None:
+                carry = attrs.evolve(carry, partial=carry.partial[: s.layout.shard_numel])
             squeezed, fed = reduce_grad_with_state(
                 full_grads, s, carry, c, policy=ReducePolicy(compression=GradCompression())
             )

@@ -33,7 +33,7 @@ from functional_fsdp.core.coalesce import (
 )
 from functional_fsdp.core.codec import wire
 from functional_fsdp.core.errors import StateError
-from functional_fsdp.core.reduction import pack_grads, reduce_grad, reduce_input
+from functional_fsdp.core.reduction import pack_grads, reduce_grad, reduce_input, reduce_row_numel
 from functional_fsdp.core.transitions import finish_unshard, shard, unshard
 from functional_fsdp.testing import SimulatedWorld
 
@@ -557,7 +557,8 @@ def test_members_packed_into_one_send_buffer_reduce_the_same(
 ) -> None:
     """Members packing into their columns of one bucket buffer (``pack_grads(out=...)``) send
     that buffer without the concatenating copy, and reduce to the same bits."""
-    sizes = [shard(t, world_size=ws, rank=0).layout.shard_numel for t in trees]
+    # A row: the padded shard, then the presence flags (the exact reduction carries them).
+    sizes = [reduce_row_numel(shard(t, world_size=ws, rank=0).layout, True) for t in trees]
     grads = [[random_like(t, seed + 7 * r + m) for m, t in enumerate(trees)] for r in range(ws)]
 
     def rank(c: Any, gs: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:

@@ -492,10 +492,11 @@ class _Routed(torch.nn.Module):
         return self.blocks[1](x)
 
 
-def case_routed_parameter(n_dp: int) -> dict[str, Any]:
+def case_routed_parameter(n_dp: int, unused: bool) -> dict[str, Any]:
     """3 AdamW steps of 4 micro-batches on ``n_dp`` data-parallel ranks under
-    ``ReproduciblePolicy(virtual_world_size=4)`` with ``set_reduce_scatter_unused_params``:
-    the routed parameter has no gradient on the rank that ran micro-batches 0 and 1."""
+    ``ReproduciblePolicy(virtual_world_size=4)``, with ``set_reduce_scatter_unused_params``
+    when ``unused``: the routed parameter has no gradient on the rank that ran micro-batches
+    0 and 1."""
     import torch.distributed as dist
 
     from functional_fsdp import ReproduciblePolicy, fully_shard
@@ -507,7 +508,7 @@ def case_routed_parameter(n_dp: int) -> dict[str, Any]:
     policy = ReproduciblePolicy(virtual_world_size=4)
     fully_shard(model.blocks[1], mesh=mesh, reproducible=policy)
     fully_shard(model, mesh=mesh, reproducible=policy)
-    model.set_reduce_scatter_unused_params(True)
+    model.set_reduce_scatter_unused_params(unused)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     per = 4 // n_dp
     mine = range(mesh.get_local_rank() * per, (mesh.get_local_rank() + 1) * per)
@@ -525,13 +526,17 @@ def case_routed_parameter(n_dp: int) -> dict[str, Any]:
     }
 
 
-def test_a_parameter_some_ranks_never_use_trains_alike_on_one_and_two_ranks(world2) -> None:
-    """With ``set_reduce_scatter_unused_params(True)`` (FSDP2's setting for routed
-    parameters), the tree reduction now lands the summed gradient of a parameter this rank
-    never used: its shard on that rank was left without a gradient and without optimizer
-    state, and 2 ranks differed from 1 everywhere (0.03). (Without the setting the same
-    happens silently: docs/reproducibility.md.)"""
-    one, two = world2.run(case_routed_parameter, 1), world2.run(case_routed_parameter, 2)
+@pytest.mark.parametrize("unused", [True, False])
+def test_a_parameter_some_ranks_never_use_trains_alike_on_one_and_two_ranks(
+    world2, unused: bool
+) -> None:
+    """The tree reduction lands the summed gradient of a parameter this rank never used, with
+    ``set_reduce_scatter_unused_params(True)`` (FSDP2's setting for routed parameters) and
+    without it (the presence flags the tree carries: ``core.reduction.agreed_present``).
+    Before, its shard on that rank was left without a gradient and without optimizer state,
+    and 2 ranks differed from 1 everywhere (0.03)."""
+    one = world2.run(case_routed_parameter, 1, unused)
+    two = world2.run(case_routed_parameter, 2, unused)
     for a, b in zip(one, two):
         assert a["stateless"] == [] and b["stateless"] == [], (a["stateless"], b["stateless"])
         for n in a["params"]:

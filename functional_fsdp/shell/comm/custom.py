@@ -347,7 +347,12 @@ def with_all_reduce_hook(
     (``set_requires_all_reduce(False)``).
     """
 
-    def run_hook(t: torch.Tensor) -> None:
+    grads_numel = pending.sharded.layout.shard_numel
+
+    def run_hook(whole: torch.Tensor) -> None:
+        # The hook sees the reduced gradients as FSDP2 has them: without the presence flags
+        # that may follow them (core.reduction.agreed_present).
+        t = whole.narrow(0, 0, grads_numel)
         what = f"the all-reduce hook of group {name!r}"
         numel = t.numel()
         try:

@@ -64,6 +64,8 @@ class Reducer(Protocol):
 
     def take_reduce(self, pending: T.PendingReduce) -> None: ...
 
+    def reduce_row_numel(self) -> int: ...
+
     def alloc_advised(self, numel: int, dtype: torch.dtype, device: torch.device) -> Any: ...
 
 
@@ -136,7 +138,9 @@ class ReduceBucket:
         # The members' layouts (kept: compared by identity) and the send buffer's shape for
         # them: (world size, total width, dtype), or None when their reduce dtypes differ.
         # Laid out once, not per backward (the layouts change only with the settings).
-        self._laid_out: tuple[tuple[Any, ...], tuple[int, int, torch.dtype] | None] | None = None
+        self._laid_out: (
+            tuple[tuple[Any, ...], tuple[int, ...], tuple[int, int, torch.dtype] | None] | None
+        ) = None
         self._flight: tuple[Reducer, ...] = ()  # the members of the reduce-scatter in flight
 
     def columns(self, group: Reducer) -> torch.Tensor | None:
@@ -164,19 +168,20 @@ class ReduceBucket:
 
     def _shape(self) -> tuple[int, int, torch.dtype] | None:
         """The send buffer's (world size, width, dtype) and each member's columns, laid out
-        again only when a member's layout changed."""
+        again only when a member's layout or row width (its presence flags) changed."""
         layouts = tuple(m.state.layout for m in self.members)
+        rows = tuple(m.reduce_row_numel() for m in self.members)  # with the presence flags
         known = self._laid_out
-        if known is None or any(a is not b for a, b in zip(known[0], layouts)):
+        if known is None or known[1] != rows or any(a is not b for a, b in zip(known[0], layouts)):
             dtype = layouts[0].grad_reduce_dtype()
             shape = None
             if all(lay.grad_reduce_dtype() == dtype for lay in layouts):
-                sizes = [lay.shard_numel for lay in layouts]
+                sizes = list(rows)
                 offsets = itertools.accumulate(sizes, initial=0)
                 self._columns = {id(m): (o, n) for m, o, n in zip(self.members, offsets, sizes)}
                 shape = (layouts[0].world_size, sum(sizes), dtype)
-            known = self._laid_out = (layouts, shape)
-        return known[1]
+            known = self._laid_out = (layouts, rows, shape)
+        return known[2]
 
     def holds(self, group: Reducer) -> bool:
         """Whether ``group`` handed in gradients that this bucket has not sent yet."""

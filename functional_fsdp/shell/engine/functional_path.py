@@ -409,7 +409,13 @@ class GatherCall:
             self.tree.push(g, self.sharded, self.source_ids, grads)
             return (None,) * len(grads)
         deferred = None if self.create_graph else self.deferred
-        if deferred is not None and deferred.first(g):
+        # A trainable parameter without a gradient here may have one on another rank: which
+        # lands is known only once the reduction did (core.reduction.agreed_present), so
+        # such a reduction is not deferred.
+        complete = g.config.reduce_unused or all(
+            gr is not None for gr, rg in zip(grads, g.requires_grad) if rg
+        )
+        if deferred is not None and deferred.first(g) and complete:
             pending = g.begin_reduce(
                 grads,
                 self.sharded,

@@ -269,6 +269,15 @@ class GroupGradients:
             )
         return known
 
+    def reduce_row_numel(self) -> int:
+        """The width of this group's reduce-scatter row: the padded shard and, when the
+        reduction carries them, the presence flags (asked once per settings)."""
+        known = self._decided.get("row")
+        if known is None:
+            flagged = T.carries_presence(self.comm, self.reduce_policy())
+            known = self._decided["row"] = T.reduce_row_numel(self.layout, flagged)
+        return known
+
     def join_reduce_bucket(self, bucket: ReduceBucket | None) -> None:
         """Reduce in ``bucket`` (a :class:`~.coalesced.ReduceBucket`) from now on, when
         :meth:`coalesces_reduce`; ``None``: alone."""

@@ -87,7 +87,7 @@ class TreeAccumulator:
         """Add one use's full gradients to the running micro-batch's leaf; with ``last`` (no
         other use of the group in this backward is to come) the leaf joins the tree. ``True``
         when the step's last micro-batch arrived."""
-        leaf = pack_grads(grads, layout)
+        leaf = pack_grads(grads, layout, flags=True)  # ranks may differ: see agreed_present
         now = [g is not None for g in grads]
         self.present = now if self.present is None else [a or b for a, b in zip(self.present, now)]
         if self.open is not None:
@@ -172,7 +172,7 @@ class TreeAccumulator:
                 "before reducing; use loss.backward() for each micro-batch, or "
                 "functional_fsdp.functional.make_train_step(..., reproducible=policy)"
             )
-        leaf = pack_grads(grads, sharded.layout)
+        leaf = pack_grads(grads, sharded.layout, flags=True)
         present = _with_unused([g is not None for g in grads], sharded, reduce_unused)
         pending = ordering.issue_tree_reduce(
             runtime,
