@@ -96,10 +96,16 @@ class Act(enum.Enum):
     DISCARD_PENDING = "drop an all-gather prefetched and not used"
     FORGET_OUTPUTS = "forget this iteration's full tensors"
     FORGET_ROWS = "forget the sub-group's rows"
-    REDUCE = "reduce (or accumulate) the gradients of a use that is not the last"
-    REDUCE_LAST = "reduce (or accumulate) the gradients of the micro-batch's last use"
+    HOLD_USE = "hold the gradients of a use that is not the micro-batch's last"
+    REDUCE_LAST = (
+        "reduce (or accumulate: sync off) the micro-batch's gradients at its last use, the "
+        "held ones included"
+    )
     REDUCE_RETURNED = "reduce the gradients and return them to torch.autograd.grad"
-    CLOSE_TREE_LEAF = "close the reproducible tree's leaf a micro-batch left open"
+    CLOSE_USES = (
+        "land what a micro-batch's uses left open when its last use's backward never ran "
+        "(the reproducible tree's leaf, the earlier uses' held gradients)"
+    )
     FINISH_REDUCE = "wait the reduction in flight and write the sharded gradients"
     HOST_MAY_WRITE = "order the host's writes of offloaded shards after their copies"
     ABANDON = "abandon in-flight work and drop the failed iteration's gradients"
@@ -395,7 +401,7 @@ def _post_backward(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
         if not p.lent_open:
             storage, acts = Storage.SHARDED, _free(storage)
         acts += (Act.REGISTER_SHARDED,)
-    acts += (Act.REDUCE_LAST if uses >= p.grad_uses else Act.REDUCE,)
+    acts += (Act.REDUCE_LAST if uses >= p.grad_uses else Act.HOLD_USE,)
     return (
         attrs.evolve(
             p,
@@ -433,7 +439,8 @@ def _returned_backward(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> St
 def _final_callback(
     p: Phase, c: LifecycleConfig, grad: bool, force: bool, keep: bool, last: bool, *_: bool
 ) -> Step:
-    acts: tuple[Act, ...] = (Act.CLOSE_TREE_LEAF,)
+    # A use's backward never ran: land what the others held.
+    acts: tuple[Act, ...] = (Act.CLOSE_USES,) if 0 < p.backward_uses < p.grad_uses else ()
     if last:
         # Otherwise (gradient accumulation) the reduction overlaps the next micro-batch; the
         # group's next reduction or the last backward's callback finishes it.

@@ -50,6 +50,7 @@ __all__ = [
     "carries_presence",
     "finish_reduce",
     "hold_unsynced",
+    "hold_use",
     "issue_reduce",
     "pack_grads",
     "reduce_divide_factors",
@@ -58,6 +59,7 @@ __all__ = [
     "reduce_input",
     "reduce_row_numel",
     "release_unsynced",
+    "release_uses",
     "split_reduced",
 ]
 
@@ -337,6 +339,31 @@ def release_unsynced(
             f"release_unsynced: {len(grads)} gradients for {len(held)} held ones"
         )
     return _added(held, grads, lambda g: g), attrs.evolve(reduce_state, unsynced=None)
+
+
+def hold_use(
+    held: Sequence[torch.Tensor | None] | None, grads: Sequence[torch.Tensor | None]
+) -> tuple[torch.Tensor | None, ...]:
+    """A group used more than once in one forward: the full gradients of a use whose backward
+    ran while another use's is to come, added to those already held (*donated*: in place; a
+    first gradient is copied), in their own dtype. The last use adds its gradients to them
+    (:func:`release_uses`), and the group reduces (or, gradient sync off, accumulates) that
+    sum once per backward: the sum autograd makes when the uses share one ``.grad`` (FSDP2's,
+    added in the order the uses' backwards run)."""
+    if held is not None and len(held) != len(grads):
+        raise LayoutMismatchError(f"hold_use: {len(grads)} gradients for {len(held)} held ones")
+    return tuple(_added(held or (None,) * len(grads), grads, torch.clone))
+
+
+def release_uses(
+    held: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]
+) -> list[torch.Tensor | None]:
+    """The last use's full gradients added to the earlier uses' (:func:`hold_use`; ``held``
+    *donated*: the sums are written into them), in the order autograd adds them: what was
+    held, plus this use's."""
+    if len(held) != len(grads):
+        raise LayoutMismatchError(f"release_uses: {len(grads)} gradients for {len(held)} held ones")
+    return _added(held, grads, lambda g: g)
 
 
 def _added(

@@ -91,7 +91,7 @@ class Shell:
                 self.registered = "sharded"
             elif a in FULL_REGISTERING:
                 self.registered = "full"
-            elif a in (Act.REDUCE, Act.REDUCE_RETURNED):
+            elif a in (Act.HOLD_USE, Act.REDUCE_RETURNED):
                 self.reductions += 1
             elif a is Act.REDUCE_LAST:
                 self.reductions += 1
@@ -376,7 +376,7 @@ def test_module_called_twice_reduces_each_use_and_closes_on_the_last() -> None:
         p, a = L.advance(p, e, c, **kw)
         acts.append(a)
     assert p.grad_uses == 2 and p.backward_uses == 2
-    assert Act.REDUCE in acts[6] and Act.REDUCE_LAST in acts[8]
+    assert Act.HOLD_USE in acts[6] and Act.REDUCE_LAST in acts[8]
 
 
 def test_illegal_event_names_the_group_the_stage_and_the_fix() -> None:
@@ -415,7 +415,7 @@ def test_model_checking_catches_a_seeded_bug(monkeypatch: pytest.MonkeyPatch) ->
 
     def every_use_closes(p: Phase, c: LifecycleConfig, *rest: bool) -> L.Step:
         p2, acts = _post_backward(p, c, *rest)
-        return p2, tuple(Act.REDUCE_LAST if a is Act.REDUCE else a for a in acts)
+        return p2, tuple(Act.REDUCE_LAST if a is Act.HOLD_USE else a for a in acts)
 
     _post_backward = L._HANDLERS[Event.POST_BACKWARD]
     monkeypatch.setitem(L._HANDLERS, Event.POST_BACKWARD, every_use_closes)

@@ -19,10 +19,12 @@ from functional_fsdp.core.reduction import (
     ReducePolicy,
     ReduceState,
     hold_unsynced,
+    hold_use,
     reduce_grad,
     reduce_grad_with_state,
     reduce_row_numel,
     release_unsynced,
+    release_uses,
 )
 from functional_fsdp.core.transitions import shard
 from functional_fsdp.testing import SimulatedWorld
@@ -126,3 +128,21 @@ def test_bad_states_and_stateful_policies_are_refused_before_any_collective() ->
     assert ReducePolicy(compression=GradCompression()).keeps_state(replicated=False)
     without_feedback = ReducePolicy(compression=GradCompression(error_feedback=False))
     assert not without_feedback.keeps_state(replicated=False)
+
+
+def test_a_reused_groups_uses_are_held_in_their_dtype_and_added_in_autograds_order() -> None:
+    """``hold_use`` keeps an earlier use's gradients (a copy, in their own dtype; ``None``
+    stays ``None``) and adds the next ones in place; ``release_uses`` adds the last use's:
+    ``(g3 + g2) + g1``, the sum autograd makes of the uses' gradients in one ``.grad``."""
+    g = [
+        torch.randn(5, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(k))
+        for k in range(3)
+    ]
+    held = hold_use(None, [g[2], None])
+    assert held[0] is not None and held[0] is not g[2] and held[0].dtype == torch.bfloat16
+    assert held[1] is None and torch.equal(g[2], held[0])
+    held = hold_use(held, [g[1], None])
+    out = release_uses(held, [g[0], None])
+    assert out[1] is None and torch.equal(out[0], (g[2] + g[1]) + g[0])
+    with pytest.raises(LayoutMismatchError, match="held"):
+        release_uses(held, [g[0]])

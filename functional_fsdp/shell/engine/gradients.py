@@ -29,7 +29,14 @@ from ...core.comm import Communicator, coalesces, uses_pieces
 from ...core.compression import GradCompression
 from ...core.plan import ReduceFacts, reduces_together
 from ...core.records import GroupLayout, ShardedState
-from ...core.reduction import NO_REDUCE_STATE, ReducePolicy, hold_unsynced, release_unsynced
+from ...core.reduction import (
+    NO_REDUCE_STATE,
+    ReducePolicy,
+    hold_unsynced,
+    hold_use,
+    release_unsynced,
+    release_uses,
+)
 from ...core.reproducible import PendingTreeReduce
 from ..comm.custom import with_all_reduce_hook
 from ..comm.process_group import ProcessGroupComm
@@ -90,6 +97,9 @@ class GroupGradients:
             install_step_check()
         self.pending_reduce: T.PendingReduce | PendingTreeReduce | None = None
         self.reduce_state: T.ReduceState = NO_REDUCE_STATE
+        # A module used more than once in the forward: the earlier uses' full gradients of this
+        # backward, held until its last use's (one reduction per backward, as FSDP2).
+        self.held_uses: tuple[torch.Tensor | None, ...] | None = None
         self.reduce_chain = ReduceChain()  # the root shares one among its groups (lazy init)
         self.reduce_bucket: ReduceBucket | None = None  # the root's schedule's, if any
         # The AccumulateGrad node of a trained parameter (to tell autograd.grad from backward).
@@ -121,10 +131,11 @@ class GroupGradients:
 
     def reduce_gradients(self, grads: Sequence[torch.Tensor | None], *, last_use: bool) -> None:
         """This backward's full gradients (``None`` for the frozen ones): push them into the
-        reproducible tree, keep them (gradient sync off: accumulation), or start their
-        reduce-scatter (in the group's reduce bucket when it coalesces), after finishing the
-        reduction still in flight. ``last_use``: no other use of the group in this forward
-        has a backward to come (a module called twice hands in two uses' gradients)."""
+        reproducible tree, hold them (an earlier use of a module called again later in the
+        forward: :func:`~functional_fsdp.core.reduction.hold_use`), keep them (gradient sync
+        off: accumulation), or start their reduce-scatter with what was held (in the group's
+        reduce bucket when it coalesces), after finishing the reduction still in flight.
+        ``last_use``: no other use of the group in this forward has a backward to come."""
         if self.tp is not None:  # TP-replicated gradients reduced over TP in a wider dtype
             grads = self.tp.widen_grads(grads)
         if self.tree is not None:
@@ -132,9 +143,14 @@ class GroupGradients:
             # A micro-batch's uses make one leaf, whatever the world size.
             if self.tree.push(grads, self.layout, last=last_use):
                 self._begin_tree_reduce()
-        elif not self.config.requires_gradient_sync:
-            self.reduce_state = hold_unsynced(self.reduce_state, grads, self.layout)
+        elif not last_use:
+            self.held_uses = hold_use(self.held_uses, grads)
         else:
+            if self.held_uses is not None:
+                grads, self.held_uses = release_uses(self.held_uses, grads), None
+            if not self.config.requires_gradient_sync:
+                self.reduce_state = hold_unsynced(self.reduce_state, grads, self.layout)
+                return
             if self.reduce_state.unsynced is not None:  # sync is on again after a no-sync step
                 grads, self.reduce_state = release_unsynced(self.reduce_state, grads)
             if any(g is not None for g in grads):
@@ -160,6 +176,7 @@ class GroupGradients:
         reduce bucket's inputs and the reproducible tree's open leaves."""
         if self.reduce_state.unsynced is not None:
             self.reduce_state = attrs.evolve(self.reduce_state, unsynced=None)
+        self.held_uses = None
         if self.reduce_bucket is not None:
             self.reduce_bucket.drop()
         if self.tree is not None:
@@ -178,11 +195,18 @@ class GroupGradients:
             reduce_unused=self.config.reduce_unused,
         )
 
-    def close_tree_leaf(self) -> None:
-        """The backward ended (the root's final callback): the uses of this group that
-        reached it make the micro-batch's leaf, also when a use's backward never ran."""
-        if self.tree is not None and self.tree.commit():
-            self._begin_tree_reduce()
+    def close_uses(self) -> None:
+        """The backward ended (the root's final callback) before the backward of a use of
+        this group (it never ran): the uses that reached it make the micro-batch's leaf, or
+        its one reduction."""
+        if self.tree is not None:
+            if self.tree.commit():
+                self._begin_tree_reduce()
+        else:
+            self.reduce_gradients([None] * len(self.layout), last_use=True)
+            bucket = self.reduce_bucket
+            if bucket is not None and bucket.holds(self):
+                bucket.flush()  # the root flushed its buckets before the groups' callbacks
 
     @traced("post_backward_reduce")
     def begin_reduce(

@@ -616,7 +616,7 @@ class ParamGroup(GroupGradients, GroupLending):
                 else:
                     for g in prefetch:
                         g.start_unshard()
-            elif a is Act.REDUCE or a is Act.REDUCE_LAST:
+            elif a is Act.HOLD_USE or a is Act.REDUCE_LAST:
                 masked = [g if rg else None for g, rg in zip(grads, self._requires_grad)]
                 self.reduce_gradients(masked, last_use=a is Act.REDUCE_LAST)
             elif a is Act.REDUCE_RETURNED:
@@ -833,7 +833,7 @@ ParamGroup._CARRY_OUT = {
     Act.DISCARD_PENDING: ParamGroup.discard_pending,
     Act.FORGET_OUTPUTS: lambda g: g._set_outputs(None),
     Act.FORGET_ROWS: ParamGroup._forget_rows,
-    Act.CLOSE_TREE_LEAF: ParamGroup.close_tree_leaf,
+    Act.CLOSE_USES: ParamGroup.close_uses,
     Act.FINISH_REDUCE: ParamGroup.finish_reduce,
     Act.HOST_MAY_WRITE: ParamGroup._host_may_write,
     Act.ABANDON: ParamGroup._abandon_iteration,
