@@ -59,3 +59,21 @@ def assert_bit_equal(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.dtype == want.dtype, (got.dtype, want.dtype)
     assert got.shape == want.shape, (tuple(got.shape), tuple(want.shape))
     assert torch.equal(got, want)
+
+
+class Routed(torch.nn.Module):
+    """Two blocks; ``extra`` (sharded with the root's group in the tests) runs only where
+    ``use_extra`` says: a parameter some micro-batches or ranks never use (an expert a router
+    sends only some micro-batches to, a branch taken on some ranks' data)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(2))
+        self.extra = torch.nn.Linear(d, d)
+        self.use_extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.blocks[0](x))
+        if self.use_extra:
+            x = x + torch.tanh(self.extra(x))
+        return self.blocks[1](x)

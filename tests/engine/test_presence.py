@@ -16,26 +16,11 @@ from typing import Any
 import pytest
 import torch
 from _dist import World, shared_mesh
+from _helpers import Routed
 
 pytestmark = pytest.mark.multiprocess
 
 STEPS = 3
-
-
-class _Routed(torch.nn.Module):
-    """Two blocks; ``extra`` (in the root's group) runs only where ``use_extra`` says."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(2))
-        self.extra = torch.nn.Linear(d, d)
-        self.use_extra = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.blocks[0](x))
-        if self.use_extra:
-            x = x + torch.tanh(self.extra(x))
-        return self.blocks[1](x)
 
 
 def _uses(who: str, rank: int, ws: int, step: int, micro: int) -> bool:
@@ -57,7 +42,7 @@ def _data(step: int, rank: int, micro: int, d: int) -> tuple[torch.Tensor, torch
 def _reference(d: int, ws: int, who: str, micro: int) -> dict[str, Any]:
     """The single-process run: every rank's micro-batches, the loss averaged over the ranks."""
     torch.manual_seed(0)
-    model = _Routed(d)
+    model = Routed(d)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
         for m in range(micro):
@@ -88,7 +73,7 @@ def case_routed(variant: str, who: str, d: int = 8, micro: int = 1) -> dict[str,
     if variant == "bf16 reduce":
         kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
     torch.manual_seed(0)
-    model = _Routed(d)
+    model = Routed(d)
     fully_shard(model.blocks[1], **kw)
     fully_shard(model, **kw)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -119,7 +104,7 @@ def case_routed_functional(who: str, d: int = 8) -> dict[str, Any]:
     rank, ws = dist.get_rank(), dist.get_world_size()
     mesh = shared_mesh((ws,))
     torch.manual_seed(0)
-    model = _Routed(d)
+    model = Routed(d)
     fully_shard(model.blocks[1], mesh=mesh)
     fully_shard(model, mesh=mesh)
 

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import shared_mesh
+from _helpers import Routed
 from torch.nn.utils import clip_grad_norm_ as _EARLY_TORCH_CLIP
 
 pytestmark = pytest.mark.multiprocess
@@ -475,25 +476,9 @@ def test_torch_clip_grad_norm_over_the_policys_parameters_warns(world4: Any) -> 
 # ------------------------------------------------------------ data-dependent routing
 
 
-class _Routed(torch.nn.Module):
-    """Two blocks; the second block's ``extra`` runs only in micro-batches ``k >= 2`` (as an
-    expert a router sends only some micro-batches to)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
-        self.extra = torch.nn.Linear(8, 8)
-        self.use_extra = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.tanh(self.blocks[0](x))
-        if self.use_extra:
-            x = x + torch.tanh(self.extra(x))
-        return self.blocks[1](x)
-
-
 def case_routed_parameter(n_dp: int, unused: bool) -> dict[str, Any]:
-    """3 AdamW steps of 4 micro-batches on ``n_dp`` data-parallel ranks under
+    """3 AdamW steps of 4 micro-batches on ``n_dp`` data-parallel ranks (``extra`` runs in
+    micro-batches ``k >= 2`` only) under
     ``ReproduciblePolicy(virtual_world_size=4)``, with ``set_reduce_scatter_unused_params``
     when ``unused``: the routed parameter has no gradient on the rank that ran micro-batches
     0 and 1."""
@@ -504,7 +489,7 @@ def case_routed_parameter(n_dp: int, unused: bool) -> dict[str, Any]:
     ws = dist.get_world_size()
     mesh = shared_mesh((ws // n_dp, n_dp), ("copies", "dp"))["dp"]
     torch.manual_seed(0)
-    model = _Routed()
+    model = Routed()
     policy = ReproduciblePolicy(virtual_world_size=4)
     fully_shard(model.blocks[1], mesh=mesh, reproducible=policy)
     fully_shard(model, mesh=mesh, reproducible=policy)
