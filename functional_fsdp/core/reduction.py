@@ -52,12 +52,14 @@ __all__ = [
     "hold_unsynced",
     "hold_use",
     "issue_reduce",
+    "lands_every_trainable",
     "pack_grads",
     "reduce_divide_factors",
     "reduce_grad",
     "reduce_grad_with_state",
     "reduce_input",
     "reduce_row_numel",
+    "refit_partial",
     "release_unsynced",
     "release_uses",
     "split_reduced",
@@ -175,6 +177,20 @@ def reduce_row_numel(layout: GroupLayout, flagged: bool) -> int:
     return layout.shard_numel + (len(layout) if flagged else 0)
 
 
+def lands_every_trainable(comm: Communicator, policy: ReducePolicy) -> bool:
+    """Whether a reduction under ``policy`` over ``comm`` lands every trainable parameter,
+    also one no rank had a gradient for (zeros): with ``reduce_unused``, under compression
+    (error feedback keeps a residual for each) and through the user's reduce-scatter (which
+    sees FSDP2's buffer sizes, so no presence flags travel: a parameter some ranks did not
+    use still lands the others' sum everywhere). The others carry presence flags
+    (:func:`carries_presence`)."""
+    return (
+        policy.reduce_unused
+        or policy.compression is not None
+        or capabilities(comm).custom_reduce_scatter
+    )
+
+
 def carries_presence(comm: Communicator, policy: ReducePolicy) -> bool:
     """Whether a reduction under ``policy`` over ``comm`` carries one presence flag per
     parameter in its payload, so that every rank lands a gradient some rank had and none
@@ -182,16 +198,31 @@ def carries_presence(comm: Communicator, policy: ReducePolicy) -> bool:
     (a routed expert) still gets the sum of the others' gradients there.
 
     Not needed with ``reduce_unused`` (every trainable parameter lands). Not carried by a
-    compressed reduction (flags would share the quantization blocks of the gradients), which
-    lands every trainable parameter instead, nor by the user's own reduce-scatter
-    (``set_custom_reduce_scatter``), which sees FSDP2's buffer sizes and lands what this rank
-    had, as FSDP2's does.
+    compressed reduction (flags would share the quantization blocks of the gradients) nor by
+    the user's own reduce-scatter (``set_custom_reduce_scatter``, which sees FSDP2's buffer
+    sizes): those land every trainable parameter instead (:func:`lands_every_trainable`).
     """
-    return (
-        not policy.reduce_unused
-        and policy.compression is None
-        and not capabilities(comm).custom_reduce_scatter
-    )
+    return not lands_every_trainable(comm, policy)
+
+
+def refit_partial(reduce_state: ReduceState, layout: GroupLayout, flagged: bool) -> ReduceState:
+    """``reduce_state`` with HSDP's partial sum as wide as a reduction that carries presence
+    flags (``flagged``) or not makes it (:func:`reduce_row_numel`): a setting that decides
+    it (``reduce_unused``, compression, a custom reduce-scatter) changed while a partial sum
+    waits for its all-reduce. The padded shard is kept; flags are dropped, or added as every
+    trainable parameter present (what a reduction without them lands). A partial sum of
+    another size (another layout) is left for :meth:`ReduceState.check` to refuse."""
+    p = reduce_state.partial
+    size = reduce_row_numel(layout, flagged)
+    shard, flags = layout.shard_numel, len(layout)
+    if p is None or p.numel() == size or p.numel() not in (shard, shard + flags):
+        return reduce_state
+    if flagged:
+        trains = [1.0 if s.requires_grad else 0.0 for s in layout.specs]
+        p = torch.cat([p, torch.tensor(trains, dtype=p.dtype, device=p.device)])
+    else:
+        p = p[:shard].clone()
+    return attrs.evolve(reduce_state, partial=p)
 
 
 def agreed_present(
@@ -503,9 +534,7 @@ def reduce_input(
         reduce_state.check(lay, reduce_row_numel(lay, flagged))
     check_comm(comm, lay.world_size, "reduce_grad")
     glist = _grad_list(grads, lay)
-    # Without flags every trainable parameter lands when asked to (reduce_unused), and under
-    # compression, whose error feedback carries a residual for each.
-    every = policy.reduce_unused or policy.compression is not None
+    every = lands_every_trainable(comm, policy)  # else the flags say (agreed_present)
     present = tuple(
         (g is not None) or (every and s.requires_grad) for g, s in zip(glist, lay.specs)
     )

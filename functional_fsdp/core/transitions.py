@@ -64,6 +64,7 @@ from .reduction import (
     reduce_grad_with_state,
     reduce_input,
     reduce_row_numel,
+    refit_partial,
 )
 
 __all__ = [
@@ -94,6 +95,7 @@ __all__ = [
     "reduce_grad_with_state",
     "reduce_input",
     "reduce_row_numel",
+    "refit_partial",
     "reshard",
     "shard",
     "shard_tensors",

@@ -814,5 +814,8 @@ def _mismatch_message(mine: Position, theirs: Position, ours: Position | None) -
     return (
         f"{text}. Typical causes: a different number of micro-batches, "
         "set_requires_gradient_sync or summon_full_params on some ranks only, a submodule run "
-        "on some ranks only. Call reset_iter_state() on the root module on every rank to recover"
+        "on some ranks only, or a sharded module whose output gets a gradient on some ranks "
+        "only (its whole group reduces there only: route inside a group instead, e.g. all "
+        "experts in one module). Call reset_iter_state() on the root module on every rank to "
+        "recover"
     )

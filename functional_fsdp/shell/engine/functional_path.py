@@ -199,7 +199,10 @@ class DeferredReductions:
             new = ordering.finish_reduce(runtime, p)[0]
             for i, dst in enumerate(results):
                 src = new.local_grad(i)
-                if dst is None or src is None:
+                if dst is None:
+                    continue
+                if src is None:  # no rank had it (see _deferred_results)
+                    dst.zero_()
                     continue
                 if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
                     dst.copy_(src)
@@ -409,13 +412,7 @@ class GatherCall:
             self.tree.push(g, self.sharded, self.source_ids, grads)
             return (None,) * len(grads)
         deferred = None if self.create_graph else self.deferred
-        # A trainable parameter without a gradient here may have one on another rank: which
-        # lands is known only once the reduction did (core.reduction.agreed_present), so
-        # such a reduction is not deferred.
-        complete = g.config.reduce_unused or all(
-            gr is not None for gr, rg in zip(grads, g.requires_grad) if rg
-        )
-        if deferred is not None and deferred.first(g) and complete:
+        if deferred is not None and deferred.first(g):
             pending = g.begin_reduce(
                 grads,
                 self.sharded,
@@ -423,7 +420,7 @@ class GatherCall:
                 async_op=True,
                 all_reduce=True,
             )
-            locals_ = _deferred_results(pending)
+            locals_ = _deferred_results(pending, g.requires_grad)
             deferred.add(pending, locals_, g.runtime)
         else:
             # The functional path's reduction starts from no state and keeps none: compression
@@ -480,10 +477,18 @@ CALLERS_ACTS = frozenset(
 )
 
 
-def _deferred_results(pending: T.PendingReduce) -> list[torch.Tensor | None]:
+def _deferred_results(
+    pending: T.PendingReduce, requires_grad: Sequence[bool]
+) -> list[torch.Tensor | None]:
     """Where :meth:`DeferredReductions.wait` puts each sharded gradient: views of the
     reduce-scatter output when ``finish_reduce`` will return exactly those (same dtype, no
-    post-division, no replica all-reduce), fresh tensors otherwise."""
+    post-division, no replica all-reduce), fresh tensors otherwise.
+
+    A trainable parameter without a gradient here gets one too when the reduction carries
+    presence flags: another rank may have had it, and which land is known only once the
+    reduction did (``core.reduction.agreed_present``); where no rank had it, the tensor is
+    zeros (:meth:`DeferredReductions.wait`). Whether a reduction is deferred must not depend
+    on this rank's gradients: the ranks would run the replicas' all-reduces in other orders."""
     sharded, out = pending.sharded, pending.output
     lay = sharded.layout
     direct = (
@@ -495,7 +500,7 @@ def _deferred_results(pending: T.PendingReduce) -> list[torch.Tensor | None]:
     off = 0
     for i, spec in enumerate(lay.specs):
         n = L.prod(lay.shard_shapes[i])
-        if not pending.present[i]:
+        if not pending.present[i] and not (pending.flagged and requires_grad[i]):
             results.append(None)
         else:
             length = lay.extent(i, sharded.rank)[1]

@@ -293,6 +293,13 @@ class GroupGradients:
             )
         return known
 
+    def refit_partial(self) -> None:
+        """A setting that decides the reduction's row width changed (``reduce_unused``,
+        compression, a custom reduce-scatter): a partial sum HSDP holds takes the new width."""
+        if self.reduce_state.partial is not None:
+            flagged = T.carries_presence(self.comm, self.reduce_policy())
+            self.reduce_state = T.refit_partial(self.reduce_state, self.layout, flagged)
+
     def reduce_row_numel(self) -> int:
         """The width of this group's reduce-scatter row: the padded shard and, when the
         reduction carries them, the presence flags (asked once per settings)."""

@@ -243,6 +243,7 @@ class ParamGroup(GroupGradients, GroupLending):
             )
         self.config = new
         self._settings_changed()
+        self.refit_partial()
 
     def use_custom_collectives(self, **kw: Any) -> None:
         """Run the all-gather and/or reduce-scatter through FSDP2 ``AllGather`` /
@@ -262,6 +263,7 @@ class ParamGroup(GroupGradients, GroupLending):
         # A gather in flight went through the old communicator: drop it (it is waited first).
         self.discard_pending()
         self._settings_changed()
+        self.refit_partial()
 
     def use_gather_codecs(self, layout: GroupLayout, slot: GatherSlot) -> None:
         """All-gather through tensor-subclass codecs from now on (``fully_shard``, once):
