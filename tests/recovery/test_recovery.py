@@ -48,17 +48,22 @@ def _cfg() -> Any:
     return GPTConfig(**CFG)
 
 
-def _build(policy: Any = None, sharded: bool = True) -> tuple[Any, Any]:
+def _build(policy: Any = None, sharded: bool = True, frozen: bool = False) -> tuple[Any, Any]:
+    """The model and its AdamW; ``frozen``: the first block's first parameter trains not and
+    is left out of the optimizer (a group with a parameter without optimizer state)."""
     from functional_fsdp import fully_shard
     from functional_fsdp.testing.models import GPT
 
     torch.manual_seed(0)
     model = GPT(_cfg())
+    if frozen:
+        next(model.blocks[0].parameters()).requires_grad_(False)
     if sharded:
         for b in model.blocks:
             fully_shard(b, reproducible=policy)
         fully_shard(model, reproducible=policy)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(trained, lr=1e-2)
 
 
 def _global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +115,16 @@ def _arm(point: str, model: Any, opt: Any, store: Any) -> None:
             setattr(ProcessGroupComm, name, posted_then_die)
     elif point == "optimizer":
         opt.register_step_pre_hook(lambda *a: _die(store))  # after the copies' pre-hook
+    elif point == "raise":  # an ordinary exception (a bad batch): nobody is lost
+        armed = [True]
+
+        def bad_batch(*_: Any) -> None:
+            if armed[0]:
+                armed[0] = False
+                store.set("kill_time", repr(time.time()))
+                raise ValueError("a bad batch")
+
+        model.blocks[1].register_forward_pre_hook(bad_batch)
 
 
 def _gather_state(model: Any, opt: Any) -> dict[str, Any]:
@@ -117,6 +132,8 @@ def _gather_state(model: Any, opt: Any) -> dict[str, Any]:
     out = {}
     for n, p in model.named_parameters():
         out[n] = p.full_tensor().detach().numpy().copy()
+        if p not in opt.state:  # frozen: no state, also after a rebuild
+            continue
         st = opt.state[p]
         for k in ("exp_avg", "exp_avg_sq"):
             out[f"{n}.{k}"] = st[k].full_tensor().detach().numpy().copy()
@@ -128,6 +145,8 @@ def _plain_state(model: Any, opt: Any) -> dict[str, Any]:
     out = {}
     for n, p in model.named_parameters():
         out[n] = p.detach().numpy().copy()
+        if p not in opt.state:
+            continue
         st = opt.state[p]
         for k in ("exp_avg", "exp_avg_sq"):
             out[f"{n}.{k}"] = st[k].detach().numpy().copy()
@@ -166,6 +185,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
         "standby": True,
         "kills": [(1, 2, "forward"), (3, 0, "backward")],
     },
+    # an ordinary exception on one rank: nobody lost, the world rebuilt whole
+    "raised": {"steps": 4, "repro": False, "kills": [(2, 1, "raise")]},
+    # a group with a frozen parameter (no optimizer state): copied and restored without one
+    "frozen": {"steps": 4, "repro": False, "frozen": True, "kills": [(2, 1, "backward")]},
     # killed by the test, by pid, together, once every rank completed step 2
     "neighbours": {"steps": 4, "repro": False, "kills": [(2, 1, "test"), (2, 2, "test")]},
 }
@@ -181,7 +204,8 @@ def _run(old_rank: int, port: int, scenario: str) -> dict[str, Any]:
         "gloo", store=dist.PrefixStore("epoch0/", store), rank=old_rank, world_size=WORLD
     )
     policy = ReproduciblePolicy(V) if spec["repro"] else None
-    model, opt = _build(policy)
+    frozen = spec.get("frozen", False)
+    model, opt = _build(policy, frozen=frozen)
     copies = keep_neighbour_copies(model, opt)
     rank, ws, step, epoch = old_rank, WORLD, 0, 1
     events: list[dict[str, Any]] = []
@@ -210,7 +234,7 @@ def _run(old_rank: int, port: int, scenario: str) -> dict[str, Any]:
                     opt,
                     copies,
                     store,
-                    lambda: _build(policy),
+                    lambda: _build(policy, frozen=frozen),
                     epoch=epoch,
                     reproducible=policy,
                     standby=spec.get("standby", False),
@@ -244,7 +268,7 @@ def _run(old_rank: int, port: int, scenario: str) -> dict[str, Any]:
         from functional_fsdp import release_spares
 
         release_spares(store)
-    ref_model, ref_opt = _build(policy, sharded=policy is not None)
+    ref_model, ref_opt = _build(policy, sharded=policy is not None, frozen=frozen)
     for s in range(spec["steps"]):  # the failure-free run, here (this world, or 1 process)
         if policy is None:
             _train_step(ref_model, ref_opt, s, 0, 1, None)
@@ -331,10 +355,11 @@ def _answers(out: Any, n: int, timeout: float) -> dict[int, Any]:
     return results
 
 
-def _world(scenario: str, tmp_path: Any) -> dict[int, Any]:
+def _world(scenario: str, tmp_path: Any, killed: set[int] | None = None) -> dict[int, Any]:
     os.environ["FFSDP_TEST_CKPT"] = str(tmp_path)
     kills = SCENARIOS[scenario]["kills"]
-    killed = {who for _, who, _ in kills}
+    if killed is None:
+        killed = {who for _, who, _ in kills}
     with _spawned(_rank, WORLD, scenario) as (master, procs, out):
         by_test = [who for _, who, point in kills if point == "test"]
         if by_test:
@@ -395,6 +420,36 @@ def test_reproducible_run_that_lost_ranks_ends_bit_identical(
         assert at - 1 <= event["restart"] <= at + 1, (kills, res["events"])
     for k, want in res["reference"].items():
         assert (res["final"][k] == want).all(), k  # bit-identical
+
+
+def test_an_ordinary_exception_in_the_recovery_loop_rebuilds_the_whole_world(
+    tmp_path: Any,
+) -> None:
+    """The documented loop sends every exception to ``rebuild_on_survivors``: one that lost
+    no rank (a bad batch on rank 1; the others see ``PeerAbortedError``) rebuilds the world
+    at its size and redoes the step. Before, the call tore the world down, then raised
+    ``StateError`` ("every rank reported alive"), and the job could not go on."""
+    results = _world("raised", tmp_path, killed=set())
+    _report(results)
+    assert sorted(results) == [0, 1, 2, 3]
+    for res in results.values():
+        assert res["ws"] == WORLD and [e["restart"] for e in res["events"]] == [2]
+        assert "no rank of 4 was lost" in res["events"][0]["message"]
+        diff = max(abs(res["final"][k] - res["reference"][k]).max() for k in res["reference"])
+        assert diff < 1e-5, diff
+
+
+def test_a_group_with_a_frozen_parameter_recovers_like_one_process(tmp_path: Any) -> None:
+    """A group holding a parameter without optimizer state (frozen, left out of the
+    optimizer): the copies carry it as zeros with a no-state mark (the first step raised
+    ``KeyError: 'exp_avg'`` before), and the rebuilt optimizer has no state for it again."""
+    results = _world("frozen", tmp_path)
+    _report(results)
+    assert sorted(results) == [0, 2, 3]
+    for res in results.values():
+        assert sorted(res["final"]) == sorted(res["reference"])  # no state for the frozen one
+        diff = max(abs(res["final"][k] - res["reference"][k]).max() for k in res["reference"])
+        assert diff < 1e-5, diff
 
 
 def test_two_neighbours_lost_together_end_in_a_named_error(tmp_path: Any) -> None:

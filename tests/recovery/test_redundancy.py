@@ -106,6 +106,8 @@ def case_copies(lost: int) -> dict[str, Any]:
         "steps": copies.steps,
         "bytes": copies.bytes_per_step,
         "state_bytes": sum(t.numel() * t.element_size() for v in mine.values() for t in v.values()),
+        # one fp32 mark per parameter: whether it has optimizer state (copies.HAS_STATE)
+        "marks": 4 * sum(len(g.params) for g in groups.values()),
     }
 
 
@@ -115,8 +117,9 @@ def test_copies_equal_the_neighbours_state_and_rebuild_a_lost_rank(world4) -> No
         for r in res:
             assert r["equal"], r
             assert r["steps"] == 3, r
-            # At most one copy of this rank's state per step (moments without their padding).
-            assert r["bytes"] <= r["state_bytes"], r
+            # At most one copy of this rank's state per step (moments without their padding),
+            # and the marks of which parameters have optimizer state.
+            assert r["bytes"] <= r["state_bytes"] + r["marks"], r
         survivors = [r for i, r in enumerate(res) if i != lost]
         assert all(r["rebuilt"] is True for r in survivors), res
         assert res[lost]["rebuilt"] is None

@@ -70,6 +70,18 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+#: A :attr:`HeldCopy.scalars` key: 1 where the parameter had optimizer state, 0 where it had
+#: none (frozen and left out of the optimizer, or never given a gradient): its moments travel
+#: as zeros and a restore gives it no state again.
+HAS_STATE = "_ffsdp_has_state"
+_ZERO = torch.zeros(1)
+
+
+def _moment(state: dict[str, Any], key: str, param: torch.Tensor) -> torch.Tensor:
+    """``state[key]``'s local shard, or zeros shaped like ``param``'s where it has no state."""
+    return _local(state[key]) if key in state else torch.zeros_like(_local(param))
+
+
 class _GroupPlan:
     """What one group sends: the byte layout of its parameters, moments and scalars."""
 
@@ -95,16 +107,27 @@ class _GroupPlan:
         out: list[torch.Tensor] = [g.state.flat]
         states = [param_state(self.optimizer, p) for p in g.params]
         for k in self.moment_keys:
-            out.extend(_local(s[k]).contiguous() for s in states if _local(s[k]).numel())
+            moments = (_moment(s, k, p) for s, p in zip(states, g.params))
+            out.extend(m.contiguous() for m in moments if m.numel())
         out.extend(self.scalars(states).values())
         return out
 
     def scalars(self, states: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        """The scalar state (e.g. Adam's ``step``), one float per parameter, per key."""
-        return {
-            k: torch.cat([s[k].detach().float().reshape(1) for s in states])
+        """The scalar state (e.g. Adam's ``step``), one float per parameter, per key (0 where
+        a parameter has none), and :data:`HAS_STATE` once the optimizer has state."""
+        out = {
+            k: torch.cat([s[k].detach().float().reshape(1) if k in s else _ZERO for s in states])
             for k in self.scalar_keys
         }
+        if HAS_STATE in self.scalar_names():
+            out[HAS_STATE] = torch.tensor([1.0 if s else 0.0 for s in states])
+        return {k: out[k] for k in self.scalar_names()}
+
+    def scalar_names(self) -> list[str]:
+        """The keys of :meth:`scalars`, in the order they travel."""
+        if not (self.moment_keys or self.scalar_keys):
+            return []
+        return sorted([*self.scalar_keys, HAS_STATE])
 
     def receives(self, source: int) -> tuple[HeldCopy, list[torch.Tensor]]:
         """The neighbour's copy to be (its records, zero padded) and the views the messages
@@ -118,7 +141,7 @@ class _GroupPlan:
             m = ShardedState(lay, source, torch.zeros_like(flat))
             views.extend(v for v in m.locals() if v.numel())
             moments[k] = m
-        scalars = {k: torch.empty(len(lay)) for k in self.scalar_keys}
+        scalars = {k: torch.empty(len(lay)) for k in self.scalar_names()}
         views.extend(scalars.values())
         return HeldCopy(params, moments, scalars), views
 
@@ -390,7 +413,7 @@ def _own(plan: _GroupPlan, reuse: HeldCopy | None) -> HeldCopy:
             params = ShardedState(g.layout, g.state.rank, g.state.flat.clone())
         moments = {
             k: pack_locals(
-                [_local(s[k]) for s in states],
+                [_moment(s, k, p) for s, p in zip(states, g.params)],
                 g.layout,
                 g.state.rank,
                 donate=reuse.moments[k] if reuse is not None and fits else None,

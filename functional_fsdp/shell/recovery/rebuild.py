@@ -66,7 +66,14 @@ from ...core.recovery import (
 from ...core.reproducible import ReproduciblePolicy
 from ..comm.process_group import ProcessGroupComm, post_abort_everywhere
 from ..engine.dtensors import shard_like
-from .copies import HeldCopy, NeighbourCopies, _local, keep_neighbour_copies, model_groups
+from .copies import (
+    HAS_STATE,
+    HeldCopy,
+    NeighbourCopies,
+    _local,
+    keep_neighbour_copies,
+    model_groups,
+)
 
 __all__ = ["Rebuilt", "rebuild_on_survivors", "release_spares", "stand_by"]
 
@@ -233,7 +240,11 @@ def rebuild_on_survivors(
         ArgumentTypeError: ``copies`` is not a :class:`~.copies.NeighbourCopies` (e.g.
             ``None``: no copies were kept); raised before anything changes.
         UnrecoverableLossError: the lost ranks' copies were lost with them (two neighbours).
-        StateError: this rank is not among the agreed survivors, or nobody was lost.
+        StateError: this rank is not among the agreed survivors.
+
+    A failure that lost no rank (every rank reports alive: an exception on some rank, a
+    timeout) is recovered the same way, on every rank: the world is rebuilt whole and the
+    step in flight redone, each rank from its own state.
     """
     if not isinstance(copies, NeighbourCopies):
         raise ArgumentTypeError(
@@ -257,14 +268,11 @@ def rebuild_on_survivors(
         dist.destroy_process_group()
     reports, spares = _agree(store, epoch, report, copies, wait_s)
     alive = tuple(r.rank for r in reports)
-    lost = tuple(r for r in range(ws) if r not in alive)
     if rank not in alive:
         raise StateError(f"rank {rank} was declared lost by the survivors {list(alive)}")
-    if not lost:
-        raise StateError(
-            "rebuild_on_survivors: every rank reported alive; the failure was not a lost rank "
-            "(see the original exception)"
-        )
+    # Nobody lost (an ordinary exception on some rank, e.g. a bad batch): the world was
+    # already torn down above, so it is rebuilt whole, each rank from its own state, and the
+    # failed step is redone (as for a loss).
     step = restart_step(reports, ws)  # raises UnrecoverableLossError on every survivor alike
     ctx = _Recovery(model, copies, store, build, epoch, step, alive, t0)
     if spares:
@@ -303,8 +311,8 @@ def _shrink(
     _init_world(store, f"ffsdp-epoch{epoch}/", new_rank, len(alive))
     rebuilt = _regroup_all(model, copies, step, lost, active)
     what = (
-        f"lost rank(s) {list(lost)} of {ws}; restarting from step {step} on {active} rank(s) "
-        f"(old ranks {list(alive[:active])})"
+        (f"lost rank(s) {list(lost)} of {ws}" if lost else f"no rank of {ws} was lost")
+        + f"; restarting from step {step} on {active} rank(s) (old ranks {list(alive[:active])})"
         + (f", spare(s) {list(alive[active:])}" if active < len(alive) else "")
     )
     if new_rank >= active:
@@ -481,7 +489,11 @@ def _write(
                 _local(p).copy_(params.local(i))
                 if not moved and not scalars:
                     continue  # restarted before the first step: no optimizer state yet
-                state: dict[str, Any] = {k: v[i].clone() for k, v in scalars.items()}
+                if HAS_STATE in scalars and not bool(scalars[HAS_STATE][i]):
+                    continue  # this parameter had none (frozen, or never given a gradient)
+                state: dict[str, Any] = {
+                    k: v[i].clone() for k, v in scalars.items() if k != HAS_STATE
+                }
                 for k, m in moved.items():
                     state[k] = shard_like(m.local(i).to(_local(p).device, copy=True), p)
                 optimizer.state[p] = state
