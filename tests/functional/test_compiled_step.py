@@ -359,3 +359,45 @@ def test_what_the_compiled_step_does_not_trace_is_refused_by_name(world: World) 
         assert "compile must be True, False or a torch.compile backend name" in messages[0]
         assert "'no_such_backend' is not a torch.compile backend" in messages[1]
         assert "sharded on a dim other than 0" in messages[2]
+
+
+def _scaled_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The loss times ``model.loss_scale`` (an attribute the caller may change between steps)."""
+    return _loss(model, batch) * getattr(model, "loss_scale", 1.0)
+
+
+def _case_settings_changed_after_build() -> dict[str, Any]:
+    """3 steps, ``model.loss_scale = 4.0`` set on the module between the first and the
+    second, after the step was built: compiled against eager, and against a run that never
+    changed it."""
+    _fresh_dynamo()
+    from functional_fsdp.functional import init, make_train_step
+
+    out = {}
+    for name, compile, change in (
+        ("eager", False, True),
+        ("compiled", "aot_eager", True),
+        ("unchanged", False, False),
+    ):
+        model = _small()
+        opt = _functional_opt("adamw")
+        step = make_train_step(model, _scaled_loss, opt, compile=compile)
+        state = init(model, opt)
+        for s in range(3):
+            if s == 1 and change:
+                model.loss_scale = 4.0
+            state, _ = step(state, _batch(s, _rank()))
+        out[name] = state.params
+    return {
+        "compiled": _diff(out["compiled"], out["eager"]),
+        "changed": _diff(out["eager"], out["unchanged"]),
+    }
+
+
+def test_compiled_step_sees_a_setting_changed_after_it_was_built(world: World) -> None:
+    """The traced forward runs a copy of the modules (FSDP's hooks undone): it reads their
+    attributes again before every call, so a setting changed on the model after
+    ``make_train_step`` (a flag the forward or the loss reads, ``train()``/``eval()``) reaches
+    it. It was copied once, at build: 0.017 from the eager step after 3 steps."""
+    for res in world.run(_case_settings_changed_after_build):
+        assert res["compiled"] == 0.0 and res["changed"] > 1e-4, res

@@ -311,6 +311,27 @@ _HOOK_DICTS = (
 )
 
 
+#: What a skeleton module keeps of its own: everything else is the original's, read again
+#: before every call (:func:`_refresh`).
+_OWN = frozenset({"_parameters", "_buffers", "_modules", "_ffsdp_state", *_HOOK_DICTS})
+
+
+def _refresh(pairs: list[tuple[nn.Module, nn.Module]]) -> None:
+    """Each skeleton module takes its original's attributes and buffers as they are now: a
+    setting changed after the step was built (``model.train()``/``eval()``, a flag the
+    forward reads, a buffer reassigned) reaches the traced forward, as it reaches the module's
+    own (torch.compile's guards on them recompile where they change the graph)."""
+    for orig, new in pairs:
+        d = new.__dict__
+        for k, v in orig.__dict__.items():
+            if k not in _OWN:
+                d[k] = v
+        if new._buffers.keys() != orig._buffers.keys() or any(
+            new._buffers[k] is not b for k, b in orig._buffers.items()
+        ):
+            new._buffers = dict(orig._buffers)
+
+
 def _skeleton(model: nn.Module, gathered: set[int]) -> tuple[nn.Module, dict[int, nn.Module]]:
     """A hook-free stand-in for ``model``: the same classes (FSDP's subclasses undone) and
     attributes, buffers shared, the package's forward hooks dropped and the mixed-precision
@@ -424,6 +445,7 @@ class TracedModel:
         gathered = {id(getattr(m, a)) for hs in holders for h in hs for m, a in h}
         skeleton, copies = _skeleton(model, gathered)
         self._skeleton, self._loss_fn = skeleton, loss_fn
+        self._pairs = [(m, copies[id(m)]) for m in model.modules()]
         # Filled by forward(): this call's local shards, and which buckets it has gathered.
         self._box: dict[str, Any] = {}
         starts = [0]
@@ -499,6 +521,7 @@ class TracedModel:
         self._box["locals"] = locals_
         self._box["sinks"] = sinks or []
         self._box["done"] = set()
+        _refresh(self._pairs)
         out = self._loss_fn(self._skeleton, batch)
         # Leave nothing behind: an attribute or entry still set when the trace ends would make
         # its tensor a graph output (kept alive) and change the next call's guards.
