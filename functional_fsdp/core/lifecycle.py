@@ -153,7 +153,11 @@ class Phase:
         keep_for_double_backward: a ``create_graph=True`` backward keeps the full parameters.
         lent_open: other groups' uses of a tied weight that are open now.
         own_open: a lending group's own use is open until its backward.
-        outputs_fresh: this iteration's full tensors were made and later uses take them.
+        outputs_fresh: this iteration's full tensors were made, as autograd outputs, and
+            later uses take them (a lending group's: the uses share one set).
+        tracked: the full tensors of the forward in progress are autograd outputs (their
+            backward reduces): a later module of a ``fully_shard([m1, m2])`` group that records
+            (grad on) after one that did not (``no_grad``) must make such tensors.
     """
 
     stage: Stage = Stage.IDLE
@@ -167,6 +171,7 @@ class Phase:
     lent_open: int = 0
     own_open: bool = False
     outputs_fresh: bool = False
+    tracked: bool = False
 
 
 class Event(enum.Enum):
@@ -319,17 +324,29 @@ def _start_iteration(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
     )
 
 
+def _registers(c: LifecycleConfig) -> tuple[Act, ...]:
+    return (Act.OWN_USE, Act.REGISTER_OUTPUTS) if c.lends else (Act.REGISTER_OUTPUTS,)
+
+
 def _pre_forward(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> Step:
     if c.forward_users > 1 and p.stage is Stage.FORWARD:
-        return p, _NONE  # another module of the group already unsharded this forward
-    grad_uses, fresh = p.grad_uses, p.outputs_fresh
+        if p.tracked or not (grad and c.trains):
+            return p, _NONE  # another module of the group already unsharded this forward
+        # The modules before this one ran under no_grad (plain views): this one records.
+        return (
+            attrs.evolve(p, grad_uses=p.grad_uses + 1, tracked=True, outputs_fresh=c.lends),
+            (Act.MAKE_OUTPUTS, *_registers(c)),
+        )
+    grad_uses, fresh, tracked = p.grad_uses, p.outputs_fresh, p.tracked
     if fresh:
         make = Act.REUSE_OUTPUTS
     else:
         grad_uses, make = _make_outputs(p, c, grad)
-        fresh = c.lends
-    acts: tuple[Act, ...] = (Act.WAIT_GATHER, Act.START_PREFETCH, make)
-    acts += (Act.OWN_USE, Act.REGISTER_OUTPUTS) if c.lends else (Act.REGISTER_OUTPUTS,)
+        tracked = make is Act.MAKE_OUTPUTS
+        # Later uses share autograd outputs; plain views (no_grad) are made again by a use
+        # that records.
+        fresh = c.lends and tracked
+    acts: tuple[Act, ...] = (Act.WAIT_GATHER, Act.START_PREFETCH, make, *_registers(c))
     return (
         attrs.evolve(
             p,
@@ -338,6 +355,7 @@ def _pre_forward(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> Step:
             forward_done=0,
             grad_uses=grad_uses,
             outputs_fresh=fresh,
+            tracked=tracked,
         ),
         acts,
     )
@@ -514,7 +532,9 @@ def _lent_full(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> Step:
     if not fresh:
         grad_uses, make = _make_outputs(p, c, grad)
         acts += (make,)
-        fresh = True
+        fresh = (
+            make is Act.MAKE_OUTPUTS
+        )  # plain views (no_grad) are made again by a use that records
     else:
         acts += (Act.REUSE_OUTPUTS,)
     return (

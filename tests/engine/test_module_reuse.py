@@ -51,6 +51,7 @@ class Reuse(nn.Module):
         self.skip: frozenset[int] = frozenset()
         self.no_grad_first = False
         self.discard_last = False
+        self.reentrant = False
         self.step = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,6 +62,10 @@ class Reuse(nn.Module):
                     h = self.rep(h)
             elif i == self.uses - 1 and self.discard_last:
                 self.rep(h)  # a use whose backward never runs (its output is dropped)
+            elif self.reentrant:
+                from torch.utils.checkpoint import checkpoint
+
+                h = checkpoint(self.rep, h, use_reentrant=True)
             else:
                 h = self.rep(h)
             if i < self.uses - 1:
@@ -98,7 +103,9 @@ def _shard(model: Reuse, cfg: dict[str, Any]) -> None:
         kw["mesh"] = cfg["mesh"]
     raf = cfg.get("raf", True)
     if cfg.get("rep_in_root"):
-        mods = [model.b0, model.mid, model.maybe]
+        mods: list[Any] = [model.b0, model.mid, model.maybe]
+    elif cfg.get("list_group"):  # rep and mid share one group
+        mods = [model.b0, [model.rep, model.mid], model.maybe]
     else:
         mods = [model.b0, model.rep, model.mid, model.maybe]
     for m in mods:
@@ -165,6 +172,8 @@ def _model(cfg: dict[str, Any]) -> Reuse:
     model.skip = frozenset(cfg.get("skip", ()))
     model.no_grad_first = bool(cfg.get("no_grad_first"))
     model.discard_last = bool(cfg.get("discard_last"))
+    if cfg.get("tie"):  # rep's group owns the weight, mid's borrows it
+        model.mid.weight = model.rep[0].weight
     return model
 
 
@@ -390,6 +399,13 @@ def test_group_that_skips_its_forward_or_runs_it_without_grad(world2) -> None:
         {"uses": 2, "no_grad_first": True},
         {"uses": 3, "no_grad_first": True, "raf": False},
         {"uses": 2, "no_grad_first": True, "bucket_bytes": 0},
+        # The first use under no_grad in a list group (rep and mid): mid records, so its full
+        # tensors must be autograd outputs (they were rep's plain views: no gradient).
+        {"uses": 2, "no_grad_first": True, "list_group": True},
+        {"uses": 3, "no_grad_first": True, "list_group": True, "bucket_bytes": 0},
+        # ... and a weight tied across groups whose owner's first use is under no_grad.
+        {"uses": 2, "no_grad_first": True, "tie": True},
+        {"uses": 3, "no_grad_first": True, "tie": True, "raf": False},
         # A use whose backward never runs: the others' held gradients land at the final
         # callback (with gradient accumulation: in the no-sync micro-batch too).
         {"uses": 3, "discard_last": True},
@@ -397,6 +413,28 @@ def test_group_that_skips_its_forward_or_runs_it_without_grad(world2) -> None:
         {"uses": 3, "discard_last": True, "micro": 2},
     ]
     _check(world2.run(case_module_reuse, cfgs)[0], cfgs)
+
+
+def case_reentrant_checkpoint() -> str:
+    """A reused module under ``checkpoint(..., use_reentrant=True)``: the error's message."""
+    torch.manual_seed(0)
+    model = _model({"uses": 2})
+    model.reentrant = True
+    _shard(model, {})
+    try:
+        _loss(model, _batches()[0].chunk(dist.get_world_size())[dist.get_rank()]).backward()
+    except Exception as e:  # every rank raises it at the same point of its backward
+        model.reset_iter_state()
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_reentrant_checkpoint_is_refused_by_name(world2) -> None:
+    """A reentrant checkpoint runs its forward under ``no_grad`` and recomputes it in backward:
+    the group's full tensors were plain views, and the gradients of the module were silently
+    lost (``None``; FSDP2 is exact there). It now raises naming ``use_reentrant=False``."""
+    for msg in world2.run(case_reentrant_checkpoint):
+        assert msg.startswith("UnsupportedError") and "use_reentrant=False" in msg, msg
 
 
 def test_reused_module_under_reproducible_policy(world2) -> None:

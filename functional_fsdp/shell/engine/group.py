@@ -34,7 +34,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ...core import transitions as T
 from ...core._tree import tree_map
 from ...core.comm import Communicator, coalesces, scoped_view
-from ...core.errors import ReproducibilityError
+from ...core.errors import ReproducibilityError, UnsupportedError
 from ...core.lifecycle import Act, Event, LifecycleConfig, Phase, advance
 from ...core.plan import SharingFacts, gathers_together
 from ...core.records import (
@@ -634,6 +634,18 @@ class ParamGroup(GroupGradients, GroupLending):
 
     def _register_recompute(self) -> None:
         outputs = self._registered_outputs()
+        if (
+            outputs is not None
+            and torch.is_grad_enabled()
+            and self._trains
+            and not any(o.requires_grad for o in outputs)
+        ):
+            # The forward ran under no_grad and its recompute records: a reentrant checkpoint.
+            raise UnsupportedError(
+                f"group {self.name!r}: an activation checkpoint recomputes a forward that ran "
+                "under no_grad (torch.utils.checkpoint(..., use_reentrant=True)); its gradients "
+                "would be lost. Pass use_reentrant=False (or use the composable checkpoint)"
+            )
         if outputs is None and torch.is_grad_enabled() and self._trains:
             # The forward's outputs are gone: another forward and backward through this group
             # ran between the checkpointed forward and its backward (and its end forgot them).
