@@ -27,6 +27,7 @@ the group's slice of the bucket's.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import cast
@@ -512,7 +513,11 @@ def issue_reduce_coalesced(
     work = comm.reduce_scatter(out, send, op=ops.pop(), async_op=async_op)
     shared = CoalescedWork(work)
     pendings = []
-    for r, part in zip(rins, out.split(sizes)):
+    # One narrow per member, not out.split(): split's views are "outputs of a function that
+    # returns multiple views", which autograd forbids viewing after an in-place change with
+    # grad mode on (a create_graph=True backward lands the reductions with it on).
+    parts = [out.narrow(0, o, n) for o, n in zip(itertools.accumulate(sizes, initial=0), sizes)]
+    for r, part in zip(rins, parts):
         pendings.append(
             PendingReduce(
                 r.sharded,

@@ -205,7 +205,7 @@ def _sharded_run(cfg: dict[str, Any]) -> tuple[list[float], list[dict[str, torch
             if chunks > 1:
                 model.set_requires_gradient_sync(i == chunks - 1)
             loss = _loss(model, xc) / chunks
-            loss.backward()
+            loss.backward(create_graph=bool(cfg.get("create_graph")))
             total += loss.detach()
         dist.all_reduce(total)
         losses.append(total.item() / ws)
@@ -427,6 +427,15 @@ def case_reentrant_checkpoint() -> str:
         model.reset_iter_state()
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def test_a_create_graph_backward_lands_its_buckets(world2) -> None:
+    """``loss.backward(create_graph=True)`` lands the reductions with grad mode on: a bucket's
+    members' outputs were ``out.split()`` views, which autograd refuses to view again after
+    the in-place reduction (``RuntimeError: A view was created in no_grad mode ...``), with
+    one use as with several. Now the same as one process."""
+    cfgs = [{"uses": 1, "create_graph": True}, {"uses": 3, "create_graph": True}]
+    _check(world2.run(case_module_reuse, cfgs)[0], cfgs)
 
 
 def test_a_reentrant_checkpoint_is_refused_by_name(world2) -> None:
