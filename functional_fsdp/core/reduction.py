@@ -191,7 +191,7 @@ def lands_every_trainable(comm: Communicator, policy: ReducePolicy) -> bool:
     )
 
 
-def carries_presence(comm: Communicator, policy: ReducePolicy) -> bool:
+def carries_presence(comm: Communicator, policy: ReducePolicy, *, replicated: bool = False) -> bool:
     """Whether a reduction under ``policy`` over ``comm`` carries one presence flag per
     parameter in its payload, so that every rank lands a gradient some rank had and none
     that no rank had (:func:`agreed_present`): a parameter a rank never used this backward
@@ -201,8 +201,10 @@ def carries_presence(comm: Communicator, policy: ReducePolicy) -> bool:
     compressed reduction (flags would share the quantization blocks of the gradients) nor by
     the user's own reduce-scatter (``set_custom_reduce_scatter``, which sees FSDP2's buffer
     sizes): those land every trainable parameter instead (:func:`lands_every_trainable`).
+    Nor needed by one rank without replicas (``replicated``: HSDP's replicate group): what it
+    had is what lands.
     """
-    return not lands_every_trainable(comm, policy)
+    return (comm.world_size > 1 or replicated) and not lands_every_trainable(comm, policy)
 
 
 def refit_partial(reduce_state: ReduceState, layout: GroupLayout, flagged: bool) -> ReduceState:
@@ -524,7 +526,7 @@ def reduce_input(
     if not isinstance(sharded, ShardedState):
         raise StateError(f"reduce_grad writes into a ShardedState, got {type(sharded).__name__}")
     lay = sharded.layout
-    flagged = carries_presence(comm, policy)
+    flagged = carries_presence(comm, policy, replicated=replicate_comm is not None)
     if reduce_state is not NO_REDUCE_STATE:
         if not isinstance(reduce_state, ReduceState):
             raise StateError(

@@ -467,7 +467,9 @@ def _with_every_field(
         for i, (shape, s) in enumerate(zip(lay.shard_shapes, lay.specs))
     )
     carry = ReduceState(
-        partial=torch.randn(reduce_row_numel(lay, True), generator=gen) if has["partial"] else None,
+        partial=torch.randn(reduce_row_numel(lay, lay.world_size > 1), generator=gen)
+        if has["partial"]
+        else None,
         residual=torch.randn(lay.world_size * lay.shard_numel, generator=gen)
         if has["residual"]
         else None,

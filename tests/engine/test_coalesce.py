@@ -557,8 +557,9 @@ def test_members_packed_into_one_send_buffer_reduce_the_same(
 ) -> None:
     """Members packing into their columns of one bucket buffer (``pack_grads(out=...)``) send
     that buffer without the concatenating copy, and reduce to the same bits."""
-    # A row: the padded shard, then the presence flags (the exact reduction carries them).
-    sizes = [reduce_row_numel(shard(t, world_size=ws, rank=0).layout, True) for t in trees]
+    # A row: the padded shard, then the presence flags (the exact reduction carries them on
+    # more than one rank).
+    sizes = [reduce_row_numel(shard(t, world_size=ws, rank=0).layout, ws > 1) for t in trees]
     grads = [[random_like(t, seed + 7 * r + m) for m, t in enumerate(trees)] for r in range(ws)]
 
     def rank(c: Any, gs: list[Any]) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:

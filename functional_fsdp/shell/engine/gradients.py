@@ -297,7 +297,9 @@ class GroupGradients:
         """A setting that decides the reduction's row width changed (``reduce_unused``,
         compression, a custom reduce-scatter): a partial sum HSDP holds takes the new width."""
         if self.reduce_state.partial is not None:
-            flagged = T.carries_presence(self.comm, self.reduce_policy())
+            flagged = T.carries_presence(
+                self.comm, self.reduce_policy(), replicated=self.replicate_comm is not None
+            )
             self.reduce_state = T.refit_partial(self.reduce_state, self.layout, flagged)
 
     def reduce_row_numel(self) -> int:
@@ -305,7 +307,9 @@ class GroupGradients:
         reduction carries them, the presence flags (asked once per settings)."""
         known = self._decided.get("row")
         if known is None:
-            flagged = T.carries_presence(self.comm, self.reduce_policy())
+            flagged = T.carries_presence(
+                self.comm, self.reduce_policy(), replicated=self.replicate_comm is not None
+            )
             known = self._decided["row"] = T.reduce_row_numel(self.layout, flagged)
         return known
 
