@@ -532,9 +532,8 @@ def _lent_full(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> Step:
     if not fresh:
         grad_uses, make = _make_outputs(p, c, grad)
         acts += (make,)
-        fresh = (
-            make is Act.MAKE_OUTPUTS
-        )  # plain views (no_grad) are made again by a use that records
+        # Plain views (no_grad) are made again by a use that records.
+        fresh = make is Act.MAKE_OUTPUTS
     else:
         acts += (Act.REUSE_OUTPUTS,)
     return (

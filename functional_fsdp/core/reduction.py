@@ -709,9 +709,7 @@ def finish_reduce(
         if pending.replicate_comm.world_size > 1:
             pending.replicate_comm.all_reduce(out, op=factors.all_reduce_op).wait()
     out = factors.scale_output(out)
-    present = pending.present
-    if pending.sharded.layout.world_size > 1 or pending.replicate_comm is not None:
-        present = agreed_present(present, sharded.layout, out, pending.flagged)
+    present = agreed_present(pending.present, sharded.layout, out, pending.flagged)
     grads = split_reduced(sharded, out, present, accumulate=accumulate)
     return attrs.evolve(sharded, grads=grads), state
 

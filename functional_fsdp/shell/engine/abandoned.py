@@ -15,9 +15,9 @@ point-to-point work reports itself complete only once waited for, and nobody wai
 paired one the failed step dropped, so its entry stays (about 1 MiB per backward fault on a
 model of 256-wide blocks). Waiting for them in ``drain`` fixed the leak, but a full-suite run
 with that change once ended in a rank's heap corruption (``free(): invalid size``), so it was
-taken back until that is understood. A work that cannot say (a custom communicator's ``Work`` without
-``is_completed``) is kept until the group has landed a later all-gather: the peers issued that
-collective after the failed step's on the same group, so they finished those first.
+taken back until that is understood. A work that cannot say (a custom communicator's ``Work``
+without ``is_completed``) is kept until the group has landed a later all-gather: the peers
+issued that collective after the failed step's on the same group, so they finished those first.
 """
 
 from __future__ import annotations

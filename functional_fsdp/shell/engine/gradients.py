@@ -297,21 +297,23 @@ class GroupGradients:
         """A setting that decides the reduction's row width changed (``reduce_unused``,
         compression, a custom reduce-scatter): a partial sum HSDP holds takes the new width."""
         if self.reduce_state.partial is not None:
-            flagged = T.carries_presence(
-                self.comm, self.reduce_policy(), replicated=self.replicate_comm is not None
+            self.reduce_state = T.refit_partial(
+                self.reduce_state, self.layout, self._carries_presence()
             )
-            self.reduce_state = T.refit_partial(self.reduce_state, self.layout, flagged)
 
     def reduce_row_numel(self) -> int:
         """The width of this group's reduce-scatter row: the padded shard and, when the
         reduction carries them, the presence flags (asked once per settings)."""
         known = self._decided.get("row")
         if known is None:
-            flagged = T.carries_presence(
-                self.comm, self.reduce_policy(), replicated=self.replicate_comm is not None
-            )
-            known = self._decided["row"] = T.reduce_row_numel(self.layout, flagged)
+            known = self._decided["row"] = T.reduce_row_numel(self.layout, self._carries_presence())
         return known
+
+    def _carries_presence(self) -> bool:
+        """:func:`~functional_fsdp.core.reduction.carries_presence` for this group's settings."""
+        return T.carries_presence(
+            self.comm, self.reduce_policy(), replicated=self.replicate_comm is not None
+        )
 
     def join_reduce_bucket(self, bucket: ReduceBucket | None) -> None:
         """Reduce in ``bucket`` (a :class:`~.coalesced.ReduceBucket`) from now on, when

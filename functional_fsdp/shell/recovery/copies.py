@@ -119,9 +119,10 @@ class _GroupPlan:
             k: torch.cat([s[k].detach().float().reshape(1) if k in s else _ZERO for s in states])
             for k in self.scalar_keys
         }
-        if HAS_STATE in self.scalar_names():
+        names = self.scalar_names()
+        if HAS_STATE in names:
             out[HAS_STATE] = torch.tensor([1.0 if s else 0.0 for s in states])
-        return {k: out[k] for k in self.scalar_names()}
+        return {k: out[k] for k in names}
 
     def scalar_names(self) -> list[str]:
         """The keys of :meth:`scalars`, in the order they travel."""
