@@ -21,7 +21,6 @@ leave them as it found them:
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import queue
 import socket
@@ -166,9 +165,25 @@ def _leftovers() -> list[str]:
     return _blocked_waits(CHECK_GRACE_S) + _probe(PROBE_TIMEOUT_S)
 
 
-def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
+def rank_context() -> Any:
+    """The ``multiprocessing`` context the tests' ranks start from: the package's fork server
+    (:func:`functional_fsdp.shell.processes.rank_context`), here also preloading the modules
+    the cases import in their ranks. It starts once per session; a world then starts in about
+    0.15 s instead of 5 s (4 spawned ranks each importing torch on 2 cores)."""
+    from functional_fsdp.shell.processes import rank_context as package_context
+
+    return package_context(PRELOAD)
+
+
+# What the cases' ranks import (each once in the server instead of in every rank it starts).
+PRELOAD = ("_dist", "torch.distributed.checkpoint", "functional_fsdp.functional")
+
+
+def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, parent: Any) -> None:
     import datetime
     import faulthandler
+
+    parent.adopt()
 
     # A rank killed by a signal (SIGABRT from glibc's heap checks, SIGSEGV) prints every
     # thread's Python stack to its stderr, which pytest shows with the failing case.
@@ -224,14 +239,16 @@ class World:
         self._outbox: Any = None
 
     def _start(self) -> None:
-        ctx = mp.get_context("spawn")
+        from functional_fsdp.shell.processes import Parent
+
+        ctx = rank_context()
         port = free_port()
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self._inboxes[r], self._outbox),
+                args=(r, self.world_size, port, self._inboxes[r], self._outbox, Parent()),
                 daemon=True,
             )
             for r in range(self.world_size)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import io
-import multiprocessing as mp
 import os
 import queue
 import socket
@@ -15,6 +14,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .processes import Parent, rank_context
 
 __all__ = ["launcher_store", "run_local"]
 
@@ -42,7 +43,11 @@ def run_local(
     timeout_s: float = 3600.0,
     survivable: bool = False,
 ) -> list[Any]:
-    """Spawn ``world_size`` processes, initialise gloo in each, return ``fn(*args)`` by rank.
+    """Start ``world_size`` processes, initialise gloo in each, return ``fn(*args)`` by rank.
+
+    The ranks fork from a server that imported torch once (:mod:`.processes`; spawned where
+    the platform has no fork server), with this process's environment, standard output and
+    error at the call.
 
     ``fn`` must be picklable (a module-level function). Each rank's process group uses
     127.0.0.1 and a free port. Unless ``OMP_NUM_THREADS`` is set, each rank gets an equal
@@ -118,10 +123,13 @@ def _launch(
             if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
                 raise _PortTaken() from None
             raise
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results: Any = ctx.Queue()
+    parent = Parent()
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, port, args, results, survivable))
+        ctx.Process(
+            target=_rank_main, args=(fn, r, world_size, port, args, results, survivable, parent)
+        )
         for r in range(world_size)
     ]
     for p in procs:
@@ -175,8 +183,11 @@ def _rank_main(
     args: tuple,
     out: Any,
     survivable: bool = False,
+    parent: Parent | None = None,
 ) -> None:
     global _STORE
+    if parent is not None:
+        parent.adopt()
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )

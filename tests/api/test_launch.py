@@ -32,6 +32,26 @@ def test_a_failing_rank_raises_with_its_traceback() -> None:
         run_local(_fail_on_rank_one, 2, timeout_s=120)
 
 
+def _environment_and_print(name: str) -> str | None:
+    print(f"rank {dist.get_rank()} prints", flush=True)
+    return __import__("os").environ.get(name)
+
+
+def test_ranks_inherit_the_environment_and_output_at_each_call(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The ranks fork from a server started by the session's first launch: they still see the
+    caller's environment and standard output as they are at this call (a variable set and an
+    output captured after the server started), as spawned ranks would."""
+    run_local(_rank_sum, 2, 1, timeout_s=120)  # the server runs from here on
+    capfd.readouterr()
+    monkeypatch.setenv("FFSDP_LAUNCH_MARK", "set after the server started")
+    got = run_local(_environment_and_print, 2, "FFSDP_LAUNCH_MARK", timeout_s=120)
+    assert got == ["set after the server started"] * 2
+    out = capfd.readouterr().out
+    assert "rank 0 prints" in out and "rank 1 prints" in out, out
+
+
 def _exit_on_rank_one() -> int:
     import os
 

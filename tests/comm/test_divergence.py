@@ -245,9 +245,8 @@ def recovered_runs(request: pytest.FixtureRequest) -> Any:
     :func:`test_a_recovered_process_exits_cleanly`, all started at once on first use (by
     :func:`test_a_slow_peer_is_waited_for`, whose ranks sleep 12 s): each mostly sleeps past
     its gloo timeout, so the naps overlap. Killed at the end."""
-    import multiprocessing as mp
 
-    from _dist import free_ports
+    from _dist import free_ports, rank_context
 
     name = "test_a_recovered_process_exits_cleanly"
     kinds = [
@@ -255,7 +254,7 @@ def recovered_runs(request: pytest.FixtureRequest) -> Any:
         for item in request.session.items
         if getattr(item, "originalname", None) == name and item.module is request.module
     ]
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     runs = {}
     try:
         for kind, port in zip(kinds, free_ports(len(kinds))):

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist import rank_context
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -330,7 +330,7 @@ def _spawned(target: Any, n: int, *args: Any) -> Iterator[tuple[Any, list[Any], 
         timeout=datetime.timedelta(seconds=60),
         wait_for_workers=False,
     )
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     out = ctx.Queue()
     procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(n)]
     for p in procs:
