@@ -176,7 +176,7 @@ def rank_context() -> Any:
 
 
 # What the cases' ranks import (each once in the server instead of in every rank it starts).
-PRELOAD = ("_dist", "torch.distributed.checkpoint", "functional_fsdp.functional")
+PRELOAD = ("_dist", "torch.distributed.checkpoint", "functional_fsdp.functional", "torch._dynamo")
 
 
 def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, parent: Any) -> None:

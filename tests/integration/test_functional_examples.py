@@ -1,16 +1,20 @@
-"""Smoke tests: the examples run end to end in one command (2 or 4 spawned gloo ranks)."""
+"""Smoke tests: the examples run end to end (2 or 4 gloo ranks each).
+
+Each example's ``main()`` runs in this process, with its command line in ``sys.argv``: its ranks
+fork from the session's fork server (torch already imported there), so an example costs its own
+work, not three to five fresh interpreters importing torch (the module took 123 s of the suite
+run as scripts, two at a time). Their output (the parent's and the ranks') is captured from the
+file descriptors. Two commands still run as a user types them, in a fresh interpreter: one
+example as a script, and the README's main job.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import os
+import importlib
 import pathlib
-import signal
 import subprocess
 import sys
-import threading
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 
 import pytest
 
@@ -19,9 +23,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples"
 TIMEOUT_S = 240
 
-# The command each test runs, longest first: the module starts the selected ones two at a time
-# (a parent importing torch, or a 1-rank run, leaves the second core idle) and each test waits
-# for its own and checks its output.
+# The command line each test runs.
 COMMANDS = {
     "test_reproducible_example_prints_equal_hashes": ("07_reproducible.py", "--steps", "2"),
     "test_fsdp_tp_example_runs": ("04_fsdp_tp.py", "--steps", "2", "--layers", "1"),
@@ -38,77 +40,65 @@ COMMANDS = {
     "test_use_as_fsdp2_example_runs": ("08_use_as_fsdp2.py",),
     "test_compiled_step_example_runs": ("09_compiled_step.py", "--steps", "3"),
 }
-PARALLEL = 2
-
-
-class _Runs:
-    """The example commands, run in the background ``PARALLEL`` at a time, each in its own
-    process group: a run past ``TIMEOUT_S`` and every run left at :meth:`close` are killed
-    with the ranks they spawned."""
-
-    def __init__(self, names: list[str]) -> None:
-        self._lock = threading.Lock()
-        self._procs: list[subprocess.Popen] = []
-        self._closed = False
-        self._pool = ThreadPoolExecutor(max_workers=PARALLEL)
-        self._futures: dict[str, Future] = {n: self._pool.submit(self._run, n) for n in names}
-
-    def _run(self, name: str) -> tuple[int, str, str]:
-        script, *args = COMMANDS[name]
-        with self._lock:
-            if self._closed:
-                return -1, "", "not run: the module ended"
-            p = subprocess.Popen(
-                [sys.executable, str(EXAMPLES / script), *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                start_new_session=True,
-            )
-            self._procs.append(p)
-        try:
-            out, err = p.communicate(timeout=TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            _kill(p)
-            out, err = p.communicate()
-            err += f"\n[killed after {TIMEOUT_S} s]"
-        return p.returncode, out, err
-
-    def stdout(self, name: str) -> str:
-        """The command's stdout once it exited with status 0 (else the test fails)."""
-        future = self._futures.get(name) or self._pool.submit(self._run, name)
-        code, out, err = future.result(timeout=2 * TIMEOUT_S)
-        assert code == 0, out[-2000:] + err[-4000:]
-        return out
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        for p in self._procs:
-            _kill(p)
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
-def _kill(p: subprocess.Popen) -> None:
-    """Kill ``p``, if still running, and the processes it spawned (its process group)."""
-    if p.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
-
-
-@pytest.fixture(scope="module")
-def _runs(request: pytest.FixtureRequest) -> Iterator[_Runs]:
-    selected = {item.name for item in request.session.items if item.module is request.module}
-    runs = _Runs([n for n in COMMANDS if n in selected])
-    yield runs
-    runs.close()
 
 
 @pytest.fixture
-def example(_runs: _Runs, request: pytest.FixtureRequest) -> Callable[[], str]:
-    """Waits for this test's command in :data:`COMMANDS`: its stdout, once it exited with
-    status 0."""
-    return lambda: _runs.stdout(request.node.name)
+def example(
+    request: pytest.FixtureRequest,
+    capfd: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> Callable[[], str]:
+    """Runs this test's command in :data:`COMMANDS` (the script's ``main()`` with its
+    arguments): its standard output, parent's and ranks'."""
+
+    def run() -> str:
+        script, *args = COMMANDS[request.node.name]
+        # The ranks import the example by this name to find their function (sys.path travels
+        # with each rank's start).
+        monkeypatch.syspath_prepend(str(EXAMPLES))
+        module = importlib.import_module(script.removesuffix(".py"))
+        monkeypatch.setattr(sys, "argv", [str(EXAMPLES / script), *args])
+        capfd.readouterr()
+        module.main()
+        return capfd.readouterr().out
+
+    return run
+
+
+def _command(*argv: str) -> str:
+    """``python *argv`` in a fresh interpreter: its stdout once it exited with status 0."""
+    p = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, timeout=TIMEOUT_S, check=False
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p.stdout
+
+
+def test_an_example_runs_as_a_script() -> None:
+    """``python examples/02_functional_train.py``: the ranks find their function in the
+    script's ``__main__`` module."""
+    out = _command(str(EXAMPLES / "02_functional_train.py"), "--steps", "3")
+    assert "loss" in out, out
+
+
+def test_the_readmes_main_job_runs() -> None:
+    """``python -m functional_fsdp.train`` (small): 2 ranks spawned by the program, a summary."""
+    argv = [
+        "--steps",
+        "3",
+        "--dim",
+        "32",
+        "--layers",
+        "1",
+        "--vocab",
+        "64",
+        "--seq",
+        "16",
+        "--batch",
+        "2",
+    ]
+    out = _command("-m", "functional_fsdp.train", *argv)
+    assert "functional_fsdp training summary" in out and "world size        2" in out, out
 
 
 def test_custom_trainer_runs_and_resumes_identically(example: Callable[[], str]) -> None:
