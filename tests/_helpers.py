@@ -77,3 +77,54 @@ class Routed(torch.nn.Module):
         if self.use_extra:
             x = x + torch.tanh(self.extra(x))
         return self.blocks[1](x)
+
+
+def full_tensors(tensors: list[Any]) -> list[torch.Tensor]:
+    """Each tensor's full value, detached: ``t.full_tensor()`` for a ``DTensor``, ``t`` for a
+    plain tensor; torch's own collectives, none of this package's code.
+
+    In few collectives: the DTensors sharded on dim 0 over one dim of a mesh (and replicated on
+    its others) are gathered together, one all-gather per mesh dim and dtype; any other DTensor
+    gets its own ``full_tensor()``. A case snapshotting a model's parameters and gradients
+    after every step made 50 all-gathers per step, each 6 ms on 4 ranks of 2 cores: most of
+    its time. Call it on every rank of the meshes (a collective)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    out: list[Any] = [None] * len(tensors)
+    together: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in enumerate(tensors):
+        t = t.detach()
+        if not isinstance(t, DTensor):
+            out[i] = t
+            continue
+        dims = [d for d, p in enumerate(t.placements) if not isinstance(p, Replicate)]
+        if len(dims) == 1 and t.placements[dims[0]] == Shard(0) and t.dim() > 0:
+            together.setdefault((id(t.device_mesh), dims[0], t.dtype), []).append(i)
+        else:
+            out[i] = t.full_tensor()
+    for (_, mesh_dim, _), idx in together.items():
+        first = tensors[idx[0]]
+        mesh = first.device_mesh
+        n = mesh.size(mesh_dim)
+        pieces, sizes = [], []
+        for i in idx:
+            t = tensors[i].detach()
+            per = -(-t.shape[0] // n)
+            local = t.to_local()
+            padded = local.new_zeros((per, *t.shape[1:]))
+            padded[: local.shape[0]] = local
+            pieces.append(padded.reshape(-1))
+            sizes.append(padded.numel())
+        send = torch.cat(pieces)
+        recv = send.new_empty(n * send.numel())
+        dist.all_gather_into_tensor(recv, send, group=mesh.get_group(mesh_dim))
+        rows = recv.view(n, -1)
+        offset = 0
+        for i, size in zip(idx, sizes):
+            t = tensors[i]
+            per = -(-t.shape[0] // n)
+            full = rows[:, offset : offset + size].reshape(n * per, *t.shape[1:])
+            out[i] = full[: t.shape[0]].clone()
+            offset += size
+    return out

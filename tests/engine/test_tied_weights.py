@@ -11,9 +11,11 @@ pytorch#176225, and before that trained the last rank's rows wrongly, pytorch#17
 implementation fails here too: a gradient reduced twice is twice the reference, a dropped use's
 contribution is far from it, and every case counts the owner's reductions (one per step).
 
-One 4-rank world runs the N = 2 and N = 4 cases: ``N = 2`` runs as two independent 2-rank
-worlds (ranks {0, 1} and {2, 3}), so a checkpoint can be saved at one world size and loaded at
-the other in the same session; the 2-rank world runs the rest of the module's cases.
+The N = 4 cases run in the session's 4-rank world, the N = 1 and 2 cases in its 2-rank world
+(on 4 processes of 2 cores each collective waits 4-6x longer). The checkpoint case saves at one
+world size and loads at the other in the 4-rank world, where ``N = 2`` runs as two independent
+2-rank worlds (ranks {0, 1} and {2, 3}). Snapshots gather a step's parameters and gradients in
+one all-gather per mesh (``full_tensors``), not one per tensor.
 """
 
 from __future__ import annotations
@@ -106,12 +108,21 @@ def _full(t: Any) -> torch.Tensor:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().float().clone()
 
 
+def _fulls(named: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """:func:`_full` of each value, in few collectives."""
+    from _helpers import full_tensors
+
+    return {k: v.float().clone() for k, v in zip(named, full_tensors(list(named.values())))}
+
+
 def _snapshot(model: Any, step: int, out: dict[str, torch.Tensor]) -> None:
+    named = {}
     for name, p in model.named_parameters():
         n = name.replace("_checkpoint_wrapped_module.", "")
-        out[f"param{step}/{n}"] = _full(p)
+        named[f"param{step}/{n}"] = p
         if p.grad is not None:
-            out[f"grad{step}/{n}"] = _full(p.grad)
+            named[f"grad{step}/{n}"] = p.grad
+    out.update(_fulls(named))
 
 
 class _CountReductions:
@@ -217,6 +228,13 @@ def _diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in keys)
 
 
+@pytest.fixture
+def on(world2: Any, world4: Any) -> Any:
+    """The world an ``N``-rank case runs in: 4 ranks for N = 4; the 2-rank world for N = 1
+    and 2 (on 4 processes of 2 cores every collective waits 4-6x longer)."""
+    return lambda n: world4 if n == 4 else world2
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict[str, Any]:
     return _reference()
@@ -224,10 +242,10 @@ def reference() -> dict[str, Any]:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_trains_like_one_process_on_2_and_4_ranks(
-    world4: Any, reference: dict[str, Any], layout: str
+    on: Any, reference: dict[str, Any], layout: str
 ) -> None:
     for n in (2, 4):
-        for r, res in enumerate(world4.run(_train, n, layout)):
+        for r, res in enumerate(on(n).run(_train, n, layout)):
             assert res["tied"], "head.weight and tok.weight must stay one parameter"
             assert res["reductions"] == [1] * STEPS, (n, r, res["reductions"])
             d = _diff(res, reference)
@@ -263,11 +281,11 @@ def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(torch.equal(a[k], b[k]) for k in b if isinstance(b[k], torch.Tensor))
 
 
-def test_equals_fsdp2_with_both_uses_in_one_group(world4: Any, reference: dict[str, Any]) -> None:
+def test_equals_fsdp2_with_both_uses_in_one_group(on: Any, reference: dict[str, Any]) -> None:
     """fp32: the same bits as FSDP2 running both uses in one group on 2 ranks (on 4, gloo's
     ring sums in another order than our rank order: last bits), and as ours in one group."""
     for n in (2, 4):
-        for r, res in enumerate(world4.run(_compare_runs, n, False)):
+        for r, res in enumerate(on(n).run(_compare_runs, n, False)):
             d_fsdp2 = _diff(res["across"], res["fsdp2"])
             print(f"fp32 N={n} rank {r}: max |tied across - FSDP2 one group| = {d_fsdp2:.3g}")
             assert _equal(res["across"], res["one_group"]), (n, r)
@@ -276,14 +294,14 @@ def test_equals_fsdp2_with_both_uses_in_one_group(world4: Any, reference: dict[s
             assert res["across"]["reductions"] == [1] * STEPS
 
 
-def test_mixed_precision_equals_fsdp2_with_both_uses_in_one_group(world4: Any) -> None:
+def test_mixed_precision_equals_fsdp2_with_both_uses_in_one_group(on: Any) -> None:
     """bf16 compute, fp32 reduction: the same bits as FSDP2 with both uses in one group on 2
     ranks and as ours in one group; the gradients within bf16's rounding of a single process
     computing in a bf16 copy (1.2% here; a dropped or doubled use is 50-100% off)."""
     ref16 = _reference_bf16()
     grads = [k for k in ref16 if k.startswith("grad")]
     for n in (2, 4):
-        for r, res in enumerate(world4.run(_compare_runs, n, True)):
+        for r, res in enumerate(on(n).run(_compare_runs, n, True)):
             across = res["across"]
             d_fsdp2 = _diff(across, res["fsdp2"])
             rel = max(((across[k] - ref16[k]).norm() / ref16[k].norm()).item() for k in grads)
@@ -317,9 +335,9 @@ def _variants(n: int) -> dict[str, dict[str, Any]]:
     return out
 
 
-def test_no_sync_accumulation_and_reshard_variants(world4: Any, reference: dict[str, Any]) -> None:
+def test_no_sync_accumulation_and_reshard_variants(on: Any, reference: dict[str, Any]) -> None:
     for n in (2, 4):
-        for r, results in enumerate(world4.run(_variants, n)):
+        for r, results in enumerate(on(n).run(_variants, n)):
             for name, res in results.items():
                 d = _diff(res, reference)
                 print(f"{name} N={n} rank {r}: max |ours - reference| = {d:.3g}")
@@ -479,10 +497,10 @@ def _summon_reference() -> dict[str, Any]:
     return out
 
 
-def test_summon_full_params_with_writeback(world4: Any, reference: dict[str, Any]) -> None:
+def test_summon_full_params_with_writeback(on: Any, reference: dict[str, Any]) -> None:
     ref = _summon_reference()
     for n in (2, 4):
-        for r, res in enumerate(world4.run(_summon, n)):
+        for r, res in enumerate(on(n).run(_summon, n)):
             assert res["head_only"] == ("Parameter", (61, 32), True), res["head_only"]
             assert res["same"] and res["tied"]
             full0 = reference["param0/tok.weight"]
@@ -513,19 +531,17 @@ def _functional(n: int, layout: str) -> dict[str, Any]:
     logits = torch.func.functional_call(model, params, (x,))
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     grads = torch.autograd.grad(loss, list(params.values()))
-    for name, g in zip(params, grads):
-        out[f"grad0/{name}"] = _full(g)
+    out.update(_fulls({f"grad0/{name}": g for name, g in zip(params, grads)}))
     for step in range(STEPS):
         state, _ = step_fn(state, tuple(_mine(t, rank, n) for t in _batch(step)))
-        for name, p in state.params.items():
-            out[f"param{step}/{name}"] = _full(p)
+        out.update(_fulls({f"param{step}/{name}": p for name, p in state.params.items()}))
     return out
 
 
-def test_functional_step_and_functional_call(world4: Any, reference: dict[str, Any]) -> None:
+def test_functional_step_and_functional_call(on: Any, reference: dict[str, Any]) -> None:
     for n in (2, 4):
         for layout in LAYOUTS:
-            for r, res in enumerate(world4.run(_functional, n, layout)):
+            for r, res in enumerate(on(n).run(_functional, n, layout)):
                 assert res["names"] == sorted(
                     k.split("/")[1] for k in reference if k.startswith("param0/")
                 )
@@ -562,8 +578,7 @@ def _reproducible(n: int, layout: str, functional: bool) -> dict[str, Any]:
         x, y = (t.view(V, BATCH // V, -1)[mine].flatten(0, 1) for t in _batch(step))
         if functional:
             state, _ = step_fn(state, (x, y))
-            for name, p in state.params.items():
-                out[f"param{step}/{name}"] = _full(p)
+            out.update(_fulls({f"param{step}/{name}": p for name, p in state.params.items()}))
             continue
         for xm, ym in zip(x.chunk(len(mine)), y.chunk(len(mine))):
             (model.loss(xm, ym) / len(mine)).backward()
@@ -573,15 +588,15 @@ def _reproducible(n: int, layout: str, functional: bool) -> dict[str, Any]:
     return out
 
 
-def test_reproducible_policy_gives_the_same_bits_on_1_2_and_4_ranks(world4: Any) -> None:
+def test_reproducible_policy_gives_the_same_bits_on_1_2_and_4_ranks(on: Any) -> None:
     """Under the policy the summed gradient of the tied weight goes through the owner's
     canonical tree once per micro-batch: 1, 2 and 4 ranks train to the same bits, on the
     module path and in the functional step, whichever group owns the weight."""
     for functional in (False, True):
         for layout in ("tok_first", "head_first"):
-            one = world4.run(_reproducible, 1, layout, functional)[0]
+            one = on(1).run(_reproducible, 1, layout, functional)[0]
             for n in (2, 4):
-                for r, res in enumerate(world4.run(_reproducible, n, layout, functional)):
+                for r, res in enumerate(on(n).run(_reproducible, n, layout, functional)):
                     assert _equal(res, one), (functional, layout, n, r, _diff(res, one))
 
 
