@@ -175,6 +175,20 @@ def rank_context() -> Any:
     return package_context(PRELOAD)
 
 
+def process(ctx: Any, target: Callable[..., Any], *args: Any) -> Any:
+    """``ctx.Process(target=target, args=args)`` that first takes this process's environment
+    and standard output and error as they are now (a rank forked from the server has the
+    server's, from when it started)."""
+    from functional_fsdp.shell.processes import Parent
+
+    return ctx.Process(target=_adopting, args=(Parent(), target, *args))
+
+
+def _adopting(parent: Any, target: Callable[..., Any], *args: Any) -> None:
+    parent.adopt()
+    target(*args)
+
+
 # What the cases' ranks import (each once in the server instead of in every rank it starts).
 PRELOAD = ("_dist", "torch.distributed.checkpoint", "functional_fsdp.functional", "torch._dynamo")
 

@@ -246,7 +246,7 @@ def recovered_runs(request: pytest.FixtureRequest) -> Any:
     :func:`test_a_slow_peer_is_waited_for`, whose ranks sleep 12 s): each mostly sleeps past
     its gloo timeout, so the naps overlap. Killed at the end."""
 
-    from _dist import free_ports, rank_context
+    from _dist import free_ports, process, rank_context
 
     name = "test_a_recovered_process_exits_cleanly"
     kinds = [
@@ -259,9 +259,7 @@ def recovered_runs(request: pytest.FixtureRequest) -> Any:
     try:
         for kind, port in zip(kinds, free_ports(len(kinds))):
             out = ctx.Queue()
-            procs = [
-                ctx.Process(target=_recover_then_exit, args=(r, port, kind, out)) for r in (0, 1)
-            ]
+            procs = [process(ctx, _recover_then_exit, r, port, kind, out) for r in (0, 1)]
             for p in procs:
                 p.start()
             runs[kind] = (procs, out)

@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import rank_context
+from _dist import process, rank_context
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -332,7 +332,7 @@ def _spawned(target: Any, n: int, *args: Any) -> Iterator[tuple[Any, list[Any], 
     )
     ctx = rank_context()
     out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, port, *args, out)) for r in range(n)]
+    procs = [process(ctx, target, r, port, *args, out) for r in range(n)]
     for p in procs:
         p.start()
     try:
