@@ -133,7 +133,10 @@ def _train(model: Any, opts: dict[str, Any], cfg: dict | None = None) -> list[fl
 
 
 def _full(model: Any) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    from _helpers import full_tensors
+
+    named = dict(model.named_parameters())
+    return dict(zip(named, full_tensors(list(named.values()))))
 
 
 def case_equal(opts: dict[str, Any], with_fsdp2: bool) -> dict[str, Any]:

@@ -137,7 +137,7 @@ def case_reproducible_reuse(n_dp: int, cfg: dict[str, Any]) -> dict[str, torch.T
             (_loss(model, parts[k]) / len(mine)).backward()
         opt.step()
         opt.zero_grad()
-    return {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+    return _fulls(dict(model.named_parameters()))
 
 
 def _reference(cfg: dict[str, Any]) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
@@ -177,15 +177,18 @@ def _model(cfg: dict[str, Any]) -> Reuse:
     return model
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+def _fulls(named: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Each value's whole tensor, detached, in one all-gather per mesh (not one per tensor)."""
+    from _helpers import full_tensors
+
+    return {n: t.clone() for n, t in zip(named, full_tensors(list(named.values())))}
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """Each parameter's whole gradient (``None``: the parameter took part in no backward)."""
-    return {
-        n: None if p.grad is None else _full(p.grad).clone() for n, p in model.named_parameters()
-    }
+    named = dict(model.named_parameters())
+    got = _fulls({n: p.grad for n, p in named.items() if p.grad is not None})
+    return {n: got.get(n) for n in named}
 
 
 def _sharded_run(cfg: dict[str, Any]) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
@@ -231,7 +234,7 @@ def _functional_run(cfg: dict[str, Any]) -> tuple[list[float], list[dict[str, to
         model.step = step
         state, metrics = step_fn(state, x.chunk(ws)[rank])
         losses.append(float(metrics["loss"]))
-    params = {n: _full(t).clone() for n, t in state.params.items()}
+    params = _fulls(dict(state.params))
     return losses, [params]
 
 
@@ -530,7 +533,7 @@ def _list_run(order: str, sharded: bool, reshard: bool) -> dict[str, Any]:
         out["grads"].append(_grads(model))
         opt.step()
         opt.zero_grad()
-        out["params"].append({n: _full(p).detach().clone() for n, p in model.named_parameters()})
+        out["params"].append(_fulls(dict(model.named_parameters())))
     return out
 
 

@@ -98,7 +98,10 @@ def _assert_consistent(model: nn.Module) -> None:
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    from _helpers import full_tensors
+
+    named = dict(model.named_parameters())
+    return dict(zip(named, full_tensors(list(named.values()))))
 
 
 def _local_batch(step: int, mesh) -> tuple[torch.Tensor, torch.Tensor]:
