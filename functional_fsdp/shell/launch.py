@@ -191,8 +191,13 @@ def _rank_main(
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    # Set here, not read by OpenMP at load: the server loaded it with its own environment.
+    torch.set_num_threads(
+        int(threads)
+        if threads.isdigit() and int(threads) > 0
+        else max(1, (os.cpu_count() or 1) // world_size)
+    )
     timeout = datetime.timedelta(seconds=300)
     try:
         if survivable:

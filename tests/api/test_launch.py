@@ -32,9 +32,9 @@ def test_a_failing_rank_raises_with_its_traceback() -> None:
         run_local(_fail_on_rank_one, 2, timeout_s=120)
 
 
-def _environment_and_print(name: str) -> str | None:
+def _environment_and_print(name: str) -> tuple[str | None, int]:
     print(f"rank {dist.get_rank()} prints", flush=True)
-    return __import__("os").environ.get(name)
+    return __import__("os").environ.get(name), torch.get_num_threads()
 
 
 def test_ranks_inherit_the_environment_and_output_at_each_call(
@@ -46,8 +46,9 @@ def test_ranks_inherit_the_environment_and_output_at_each_call(
     run_local(_rank_sum, 2, 1, timeout_s=120)  # the server runs from here on
     capfd.readouterr()
     monkeypatch.setenv("FFSDP_LAUNCH_MARK", "set after the server started")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
     got = run_local(_environment_and_print, 2, "FFSDP_LAUNCH_MARK", timeout_s=120)
-    assert got == ["set after the server started"] * 2
+    assert got == [("set after the server started", 3)] * 2
     out = capfd.readouterr().out
     assert "rank 0 prints" in out and "rank 1 prints" in out, out
 
