@@ -186,11 +186,11 @@ def process(ctx: Any, target: Callable[..., Any], *args: Any) -> Any:
     server's, from when it started)."""
     from functional_fsdp.shell.processes import Parent
 
-    return ctx.Process(target=_adopting, args=(Parent(), target, *args))
+    return ctx.Process(target=_adopting, args=(Parent(ctx), target, *args))
 
 
 def _adopting(parent: Any, target: Callable[..., Any], *args: Any) -> None:
-    parent.adopt()
+    del parent  # applied when it was unpickled
     target(*args)
 
 
@@ -198,11 +198,11 @@ def _adopting(parent: Any, target: Callable[..., Any], *args: Any) -> None:
 PRELOAD = ("_dist", "torch.distributed.checkpoint", "functional_fsdp.functional", "torch._dynamo")
 
 
-def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any, parent: Any) -> None:
+def _worker(parent: Any, rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
     import datetime
     import faulthandler
 
-    parent.adopt()
+    del parent  # applied when it was unpickled (the caller's environment and streams)
 
     # A rank killed by a signal (SIGABRT from glibc's heap checks, SIGSEGV) prints every
     # thread's Python stack to its stderr, which pytest shows with the failing case.
@@ -267,7 +267,7 @@ class World:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, port, self._inboxes[r], self._outbox, Parent()),
+                args=(Parent(ctx), r, self.world_size, port, self._inboxes[r], self._outbox),
                 daemon=True,
             )
             for r in range(self.world_size)

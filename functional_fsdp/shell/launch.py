@@ -125,10 +125,10 @@ def _launch(
             raise
     ctx = rank_context()
     results: Any = ctx.Queue()
-    parent = Parent()
+    parent = Parent(ctx)  # first among the arguments: it applies itself when unpickled
     procs = [
         ctx.Process(
-            target=_rank_main, args=(fn, r, world_size, port, args, results, survivable, parent)
+            target=_rank_main, args=(parent, fn, r, world_size, port, args, results, survivable)
         )
         for r in range(world_size)
     ]
@@ -176,6 +176,7 @@ def _launch(
 
 
 def _rank_main(
+    parent: Parent,
     fn: Callable[..., Any],
     rank: int,
     world_size: int,
@@ -183,16 +184,14 @@ def _rank_main(
     args: tuple,
     out: Any,
     survivable: bool = False,
-    parent: Parent | None = None,
 ) -> None:
     global _STORE
-    if parent is not None:
-        parent.adopt()
+    parent.adopt()  # done when it was unpickled, before fn's module was imported
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )
-    threads = os.environ.get("OMP_NUM_THREADS", "")
     # Set here, not read by OpenMP at load: the server loaded it with its own environment.
+    threads = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     torch.set_num_threads(
         int(threads)
         if threads.isdigit() and int(threads) > 0

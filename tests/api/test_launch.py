@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -32,23 +34,85 @@ def test_a_failing_rank_raises_with_its_traceback() -> None:
         run_local(_fail_on_rank_one, 2, timeout_s=120)
 
 
-def _environment_and_print(name: str) -> tuple[str | None, int]:
+def _inherited(name: str) -> dict[str, Any]:
+    """What this rank inherited: an environment variable, its intra-op threads, umask, open
+    files' limit, torch seed; and it prints."""
+    import os
+    import resource
+
     print(f"rank {dist.get_rank()} prints", flush=True)
-    return __import__("os").environ.get(name), torch.get_num_threads()
+    umask = os.umask(0)
+    os.umask(umask)
+    return {
+        "env": os.environ.get(name),
+        "threads": torch.get_num_threads(),
+        "umask": umask,
+        "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        "seed": torch.initial_seed(),
+    }
 
 
-def test_ranks_inherit_the_environment_and_output_at_each_call(
+def test_ranks_inherit_the_callers_process_at_each_call(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """The ranks fork from a server started by the session's first launch: they still see the
-    caller's environment and standard output as they are at this call (a variable set and an
-    output captured after the server started), as spawned ranks would."""
+    """The ranks fork from a server started by the session's first launch: they still get what
+    spawned ranks would, as the caller has it at this call (set after the server started):
+    environment, intra-op threads, output, umask, resource limits; and a torch seed of their
+    own (the server's, shared by every rank and launch, would repeat their random numbers)."""
+    import os
+    import resource
+
     run_local(_rank_sum, 2, 1, timeout_s=120)  # the server runs from here on
     capfd.readouterr()
     monkeypatch.setenv("FFSDP_LAUNCH_MARK", "set after the server started")
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    got = run_local(_environment_and_print, 2, "FFSDP_LAUNCH_MARK", timeout_s=120)
-    assert got == [("set after the server started", 3)] * 2
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    umask = os.umask(0o027)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft - 1, hard))
+        first = run_local(_inherited, 2, "FFSDP_LAUNCH_MARK", timeout_s=120)
+        second = run_local(_inherited, 2, "FFSDP_LAUNCH_MARK", timeout_s=120)
+    finally:
+        os.umask(umask)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    for got in first + second:
+        assert got["env"] == "set after the server started", got
+        assert (got["threads"], got["umask"], got["nofile"]) == (3, 0o027, soft - 1), got
+    seeds = [got["seed"] for got in first + second]
+    assert len(set(seeds)) == 4, seeds
+    out = capfd.readouterr().out
+    assert out.count("rank 0 prints") == 2 and out.count("rank 1 prints") == 2, out
+
+
+def test_a_module_the_ranks_import_sees_the_callers_environment(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """The function's module is imported in the rank after the caller's environment is
+    applied: its top level reads the variable set after the server started."""
+    run_local(_rank_sum, 2, 1, timeout_s=120)  # the server runs from here on
+    (tmp_path / "ffsdp_late_module.py").write_text(
+        "import os\nSEEN = os.environ.get('FFSDP_LAUNCH_MARK')\n\n\ndef seen():\n    return SEEN\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("FFSDP_LAUNCH_MARK", "at import")
+    import ffsdp_late_module
+
+    assert run_local(ffsdp_late_module.seen, 2, timeout_s=120) == ["at import"] * 2
+
+
+def test_spawned_ranks_where_there_is_no_fork_server(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Where the platform has no fork server the ranks are spawned, and inherit the same."""
+    import multiprocessing as mp
+
+    from functional_fsdp.shell import launch
+
+    monkeypatch.setattr(launch, "rank_context", lambda: mp.get_context("spawn"))
+    monkeypatch.setenv("FFSDP_LAUNCH_MARK", "spawned")
+    got = run_local(_inherited, 2, "FFSDP_LAUNCH_MARK", timeout_s=120)
+    assert [g["env"] for g in got] == ["spawned"] * 2
+    assert got[0]["seed"] != got[1]["seed"]
     out = capfd.readouterr().out
     assert "rank 0 prints" in out and "rank 1 prints" in out, out
 
