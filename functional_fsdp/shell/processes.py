@@ -122,10 +122,7 @@ def _is_open(fd: int) -> bool:
 def _process_state() -> dict[str, Any]:
     """This process's umask, resource limits, priority and CPU affinity (where the platform
     has them)."""
-    state: dict[str, Any] = {}
-    umask = os.umask(0)
-    os.umask(umask)
-    state["umask"] = umask
+    state: dict[str, Any] = {"umask": _umask()}
     try:
         import resource
     except ImportError:
@@ -140,6 +137,21 @@ def _process_state() -> dict[str, Any]:
     if hasattr(os, "sched_getaffinity"):
         state["affinity"] = os.sched_getaffinity(0)
     return state
+
+
+def _umask() -> int:
+    """This process's umask: read from ``/proc`` where it can be (setting it to read it back
+    would, for an instant, give another thread's new files no umask)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    umask = os.umask(0)
+    os.umask(umask)
+    return umask
 
 
 def _apply_process_state(state: dict[str, Any]) -> None:
