@@ -198,11 +198,9 @@ def _adopting(parent: Any, target: Callable[..., Any], *args: Any) -> None:
 PRELOAD = ("_dist", "torch.distributed.checkpoint", "functional_fsdp.functional", "torch._dynamo")
 
 
-def _worker(parent: Any, rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
+def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> None:
     import datetime
     import faulthandler
-
-    del parent  # applied when it was unpickled (the caller's environment and streams)
 
     # A rank killed by a signal (SIGABRT from glibc's heap checks, SIGSEGV) prints every
     # thread's Python stack to its stderr, which pytest shows with the failing case.
@@ -258,21 +256,16 @@ class World:
         self._outbox: Any = None
 
     def _start(self) -> None:
-        from functional_fsdp.shell.processes import Parent
-
         ctx = rank_context()
         port = free_port()
         self._outbox = ctx.Queue()
         self._inboxes = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
-            ctx.Process(
-                target=_worker,
-                args=(Parent(ctx), r, self.world_size, port, self._inboxes[r], self._outbox),
-                daemon=True,
-            )
+            process(ctx, _worker, r, self.world_size, port, self._inboxes[r], self._outbox)
             for r in range(self.world_size)
         ]
         for p in self._procs:
+            p.daemon = True
             p.start()
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = CASE_TIMEOUT_S) -> list[Any]:

@@ -79,9 +79,10 @@ class Routed(torch.nn.Module):
         return self.blocks[1](x)
 
 
-def full_tensors(tensors: list[Any]) -> list[torch.Tensor]:
-    """Each tensor's full value, detached: ``t.full_tensor()`` for a ``DTensor``, ``t`` for a
-    plain tensor; torch's own collectives, none of this package's code.
+def full_named(named: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Each tensor's full value, detached, in its own storage: ``t.full_tensor()`` for a
+    ``DTensor``, a copy of ``t`` for a plain tensor; torch's own collectives, none of this
+    package's code.
 
     In few collectives: the DTensors sharded on dim 0 over one dim of a mesh (and replicated on
     its others) are gathered together, one all-gather per mesh dim and dtype; any other DTensor
@@ -91,40 +92,35 @@ def full_tensors(tensors: list[Any]) -> list[torch.Tensor]:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    out: list[Any] = [None] * len(tensors)
-    together: dict[tuple[Any, ...], list[int]] = {}
-    for i, t in enumerate(tensors):
+    out: dict[str, torch.Tensor] = {}
+    together: dict[tuple[Any, ...], list[tuple[str, DTensor]]] = {}
+    for name, t in named.items():
         t = t.detach()
         if not isinstance(t, DTensor):
-            out[i] = t
+            out[name] = t.clone()
             continue
         dims = [d for d, p in enumerate(t.placements) if not isinstance(p, Replicate)]
         if len(dims) == 1 and t.placements[dims[0]] == Shard(0) and t.dim() > 0:
-            together.setdefault((id(t.device_mesh), dims[0], t.dtype), []).append(i)
+            together.setdefault((id(t.device_mesh), dims[0], t.dtype), []).append((name, t))
         else:
-            out[i] = t.full_tensor()
-    for (_, mesh_dim, _), idx in together.items():
-        first = tensors[idx[0]]
-        mesh = first.device_mesh
+            out[name] = t.full_tensor()
+    for (_, mesh_dim, _), members in together.items():
+        mesh = members[0][1].device_mesh
         n = mesh.size(mesh_dim)
-        pieces, sizes = [], []
-        for i in idx:
-            t = tensors[i].detach()
-            per = -(-t.shape[0] // n)
+        rows_of = [-(-t.shape[0] // n) for _, t in members]  # torch.chunk's rows per rank
+        pieces = []
+        for (_, t), per in zip(members, rows_of):
             local = t.to_local()
             padded = local.new_zeros((per, *t.shape[1:]))
             padded[: local.shape[0]] = local
             pieces.append(padded.reshape(-1))
-            sizes.append(padded.numel())
         send = torch.cat(pieces)
         recv = send.new_empty(n * send.numel())
         dist.all_gather_into_tensor(recv, send, group=mesh.get_group(mesh_dim))
         rows = recv.view(n, -1)
         offset = 0
-        for i, size in zip(idx, sizes):
-            t = tensors[i]
-            per = -(-t.shape[0] // n)
-            full = rows[:, offset : offset + size].reshape(n * per, *t.shape[1:])
-            out[i] = full[: t.shape[0]].clone()
-            offset += size
-    return out
+        for (name, t), per, piece in zip(members, rows_of, pieces):
+            full = rows[:, offset : offset + piece.numel()].reshape(n * per, *t.shape[1:])
+            out[name] = full[: t.shape[0]].clone()
+            offset += piece.numel()
+    return {name: out[name] for name in named}

@@ -186,7 +186,7 @@ def _rank_main(
     survivable: bool = False,
 ) -> None:
     global _STORE
-    parent.adopt()  # done when it was unpickled, before fn's module was imported
+    del parent  # applied when it was unpickled, before fn's module was imported
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size)
     )

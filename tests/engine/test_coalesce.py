@@ -133,10 +133,9 @@ def _train(model: Any, opts: dict[str, Any], cfg: dict | None = None) -> list[fl
 
 
 def _full(model: Any) -> dict[str, torch.Tensor]:
-    from _helpers import full_tensors
+    from _helpers import full_named
 
-    named = dict(model.named_parameters())
-    return dict(zip(named, full_tensors(list(named.values()))))
+    return full_named(dict(model.named_parameters()))
 
 
 def case_equal(opts: dict[str, Any], with_fsdp2: bool) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from _helpers import full_named
 from torch import nn
 
 pytestmark = pytest.mark.multiprocess
@@ -137,7 +138,7 @@ def case_reproducible_reuse(n_dp: int, cfg: dict[str, Any]) -> dict[str, torch.T
             (_loss(model, parts[k]) / len(mine)).backward()
         opt.step()
         opt.zero_grad()
-    return _fulls(dict(model.named_parameters()))
+    return full_named(dict(model.named_parameters()))
 
 
 def _reference(cfg: dict[str, Any]) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
@@ -177,17 +178,10 @@ def _model(cfg: dict[str, Any]) -> Reuse:
     return model
 
 
-def _fulls(named: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Each value's whole tensor, detached, in one all-gather per mesh (not one per tensor)."""
-    from _helpers import full_tensors
-
-    return {n: t.clone() for n, t in zip(named, full_tensors(list(named.values())))}
-
-
 def _grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
     """Each parameter's whole gradient (``None``: the parameter took part in no backward)."""
     named = dict(model.named_parameters())
-    got = _fulls({n: p.grad for n, p in named.items() if p.grad is not None})
+    got = full_named({n: p.grad for n, p in named.items() if p.grad is not None})
     return {n: got.get(n) for n in named}
 
 
@@ -234,7 +228,7 @@ def _functional_run(cfg: dict[str, Any]) -> tuple[list[float], list[dict[str, to
         model.step = step
         state, metrics = step_fn(state, x.chunk(ws)[rank])
         losses.append(float(metrics["loss"]))
-    params = _fulls(dict(state.params))
+    params = full_named(dict(state.params))
     return losses, [params]
 
 
@@ -533,7 +527,7 @@ def _list_run(order: str, sharded: bool, reshard: bool) -> dict[str, Any]:
         out["grads"].append(_grads(model))
         opt.step()
         opt.zero_grad()
-        out["params"].append(_fulls(dict(model.named_parameters())))
+        out["params"].append(full_named(dict(model.named_parameters())))
     return out
 
 

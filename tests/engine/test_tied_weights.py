@@ -15,7 +15,7 @@ The N = 4 cases run in the session's 4-rank world, the N = 1 and 2 cases in its 
 (on 4 processes of 2 cores each collective waits 4-6x longer). The checkpoint case saves at one
 world size and loads at the other in the 4-rank world, where ``N = 2`` runs as two independent
 2-rank worlds (ranks {0, 1} and {2, 3}). Snapshots gather a step's parameters and gradients in
-one all-gather per mesh (``full_tensors``), not one per tensor.
+one all-gather per mesh (``full_named``), not one per tensor.
 """
 
 from __future__ import annotations
@@ -110,9 +110,9 @@ def _full(t: Any) -> torch.Tensor:
 
 def _fulls(named: dict[str, Any]) -> dict[str, torch.Tensor]:
     """:func:`_full` of each value, in few collectives."""
-    from _helpers import full_tensors
+    from _helpers import full_named
 
-    return {k: v.float().clone() for k, v in zip(named, full_tensors(list(named.values())))}
+    return {k: v.float() for k, v in full_named(named).items()}
 
 
 def _snapshot(model: Any, step: int, out: dict[str, torch.Tensor]) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import shared_mesh
-from _helpers import Routed
+from _helpers import Routed, full_named
 from torch.nn.utils import clip_grad_norm_ as _EARLY_TORCH_CLIP
 
 pytestmark = pytest.mark.multiprocess
@@ -85,20 +85,13 @@ def _steps(
     return norms
 
 
-def _fulls(named: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Each value's full tensor, in one all-gather per mesh (not one per tensor)."""
-    from _helpers import full_tensors
-
-    return dict(zip(named, full_tensors(list(named.values()))))
-
-
 def _snapshot(model: Any, opt: Any, norms: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     named = {f"param/{n}": p for n, p in model.named_parameters()}
     names = {id(p): n for n, p in model.named_parameters()}
     for p, st in opt.state.items():
         for key in ("exp_avg", "exp_avg_sq"):
             named[f"{key}/{names[id(p)]}"] = st[key]
-    out = _fulls(named)
+    out = full_named(named)
     out.update({f"norm/{i}": n for i, n in enumerate(norms)})
     return out
 
@@ -161,7 +154,7 @@ def _train_plain(n_dp: int) -> dict[str, torch.Tensor]:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
         opt.step()
         opt.zero_grad()
-    return _fulls({f"param/{n}": p for n, p in model.named_parameters()})
+    return full_named({f"param/{n}": p for n, p in model.named_parameters()})
 
 
 def _differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -232,7 +225,7 @@ def _train_functional(n_dp: int, clip: bool) -> dict[str, torch.Tensor]:
         batch = (x[mine].reshape(-1, x.shape[-1]), y[mine].reshape(-1, y.shape[-1]))
         state, metrics = step(state, batch)
         norms.append(metrics["grad_norm"])
-    out = _fulls({f"param/{n}": p for n, p in state.params.items()})
+    out = full_named({f"param/{n}": p for n, p in state.params.items()})
     out.update({f"norm/{i}": n for i, n in enumerate(norms)})
     return out
 
@@ -251,7 +244,7 @@ def _train_module_no_clip(n_dp: int) -> dict[str, torch.Tensor]:
             (model.loss(x[k], y[k]) / len(mine)).backward()
         opt.step()
         opt.zero_grad()
-    return _fulls({f"param/{n}": p for n, p in model.named_parameters()})
+    return full_named({f"param/{n}": p for n, p in model.named_parameters()})
 
 
 def test_the_functional_step_gives_the_same_bits_on_every_world_size(

@@ -98,10 +98,9 @@ def _assert_consistent(model: nn.Module) -> None:
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    from _helpers import full_tensors
+    from _helpers import full_named
 
-    named = dict(model.named_parameters())
-    return dict(zip(named, full_tensors(list(named.values()))))
+    return full_named(dict(model.named_parameters()))
 
 
 def _local_batch(step: int, mesh) -> tuple[torch.Tensor, torch.Tensor]:
