@@ -341,7 +341,11 @@ class World:
         return answers
 
     def close(self, *, force: bool = False) -> None:
-        """Stop every rank (terminate them when ``force`` or when they do not exit in time)."""
+        """Stop every rank (terminate them when ``force`` or when they do not exit in time).
+
+        A rank that returned tensors made a ``/tmp/pymp-*`` folder (the socket multiprocessing
+        sends their file descriptors through); only a rank that exits by itself removes it, so
+        a world that is not broken is closed without ``force``."""
         if not self._procs:
             return
         if not force:

@@ -51,7 +51,7 @@ def world2():
 
     w = World(2)
     yield w
-    w.close(force=True)  # nothing to wait for at the end of the session
+    w.close()
 
 
 @pytest.fixture(scope="session")
@@ -61,7 +61,7 @@ def world4():
 
     w = World(4)
     yield w
-    w.close(force=True)
+    w.close()
 
 
 @pytest.fixture(scope="module")
