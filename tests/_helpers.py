@@ -116,7 +116,8 @@ def full_named(named: dict[str, Any]) -> dict[str, torch.Tensor]:
             pieces.append(padded.reshape(-1))
         send = torch.cat(pieces)
         recv = send.new_empty(n * send.numel())
-        dist.all_gather_into_tensor(recv, send, group=mesh.get_group(mesh_dim))
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(recv, send, group=mesh.get_group(mesh_dim))
         rows = recv.view(n, -1)
         offset = 0
         for (name, t), per, piece in zip(members, rows_of, pieces):

@@ -118,9 +118,8 @@ class _PlainReduceScatter:
     ) -> Any:
         import torch.distributed as dist
 
-        return dist.reduce_scatter_tensor(
-            output_tensor, input_tensor, op=op, group=group, async_op=async_op
-        )
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
 def case_routed_functional(who: str, mesh_shape: tuple[int, int] | None = None) -> dict[str, Any]:

@@ -36,6 +36,10 @@ from .schedule import ALL_REDUCE, OPS, Position, reap, thread_waiter
 __all__ = ["ProcessGroupComm"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
+# Torch 2.13 renamed the two tensor collectives (``*_single``) and warns on the old names;
+# torch releases before the rename have only the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 # Collectives remembered per communicator (what each rank ran as collective #n, for the
 # mismatch check; and the ones posted but not yet waited for, for resync).
 _RING = 4096
@@ -693,7 +697,7 @@ class ProcessGroupComm:
             output.copy_(input)
             return DoneWork()
         if not self._p2p:
-            w = dist.all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+            w = _all_gather_tensor(output, input, group=self.group, async_op=async_op)
             return _done(w, async_op)
         # Point to point, one piece per rank (same bytes as gloo's broadcasts, and the tags
         # carry the schedule check).
@@ -719,7 +723,7 @@ class ProcessGroupComm:
             output.copy_(input)
             return DoneWork()
         if not self._p2p and not (self._sum_only and op == "avg"):
-            w = dist.reduce_scatter_tensor(
+            w = _reduce_scatter_tensor(
                 output, input, op=_OPS[op], group=self.group, async_op=async_op
             )
             return _done(w, async_op)
