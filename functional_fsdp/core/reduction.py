@@ -723,18 +723,22 @@ def split_reduced(
     lay = sharded.layout
     old = sharded.grads or (None,) * len(lay)
     new: list[torch.Tensor | None] = []
-    off = 0
+    # One split for all parameters (a narrow per parameter cost 3 us each on the CPU).
+    sizes = lay.shard_numels
+    rest = out.numel() - lay.shard_numel
+    pieces = out.split_with_sizes((*sizes, rest) if rest else sizes)
+    device = sharded.flat.device
+    same_device = out.device == device
     for i, spec in enumerate(lay.specs):
-        n = L.prod(lay.shard_shapes[i])
         if not present[i]:
             new.append(old[i])
-        else:
-            g = out.narrow(0, off, n).view(lay.shard_shapes[i])
-            # Sharded grads live with the shards (the CPU under offload), in the param dtype.
-            g = g.to(device=sharded.flat.device, dtype=spec.dtype)
-            prev = old[i]
-            new.append(g + prev if (accumulate and prev is not None) else g)
-        off += n
+            continue
+        g = pieces[i].view(lay.shard_shapes[i])
+        # Sharded grads live with the shards (the CPU under offload), in the param dtype.
+        if not same_device or g.dtype != spec.dtype:
+            g = g.to(device=device, dtype=spec.dtype)
+        prev = old[i]
+        new.append(g + prev if (accumulate and prev is not None) else g)
     return tuple(new)
 
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from torch.distributed.tensor.placement_types import Placement
 
 from ...core.records import ParamSpec
+from .dtensors import wrap
 from .local_step import own_step
 
 __all__ = ["Holders", "ShardedParam"]
@@ -87,7 +88,7 @@ class ShardedParam:
 
     def dtensor(self, local: torch.Tensor) -> DTensor:
         """``local`` (its shard, or a sharded gradient) as a ``DTensor`` with its spec."""
-        return DTensor(local, self.dtensor_spec, requires_grad=False)
+        return wrap(local, self.dtensor_spec)
 
     def relayout(
         self, spec: ParamSpec, placements: tuple[Placement, ...], dtensor_spec: DTensorSpec
