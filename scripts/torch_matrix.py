@@ -59,7 +59,7 @@ def _installed_torch(python: Path) -> str | None:
     """The torch version of a complete environment (the project and its test extra import)."""
     if not python.exists():
         return None
-    check = "import functional_fsdp, pytest, hypothesis, torchao, torch; print(torch.__version__)"
+    check = "import functional_fsdp, pytest, hypothesis, xdist, torchao, torch; print(torch.__version__)"
     out = subprocess.run(
         [str(python), "-c", check],
         capture_output=True,

@@ -148,12 +148,23 @@ def case_sharded_state_dict() -> None:
     mesh = a.tok.weight.device_mesh
     x, _ = _local_batch(0, mesh)
     collective_names = [
-        "all_gather_into_tensor",
-        "all_gather",
-        "broadcast",
-        "all_reduce",
-        "reduce_scatter_tensor",
-        "all_to_all_single",
+        n
+        for n in (
+            "all_gather_into_tensor",
+            "all_gather_single",
+            "all_gather",
+            "broadcast",
+            "all_reduce",
+            "reduce_scatter_tensor",
+            "reduce_scatter_single",
+            "all_to_all_single",
+            "batch_isend_irecv",
+            "isend",
+            "irecv",
+            "send",
+            "recv",
+        )
+        if hasattr(dist, n)
     ]
     saved = {n: getattr(dist, n) for n in collective_names}
 

@@ -36,10 +36,24 @@ from .schedule import ALL_REDUCE, OPS, Position, reap, thread_waiter
 __all__ = ["ProcessGroupComm"]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG}
-# Torch 2.13 renamed the two tensor collectives (``*_single``) and warns on the old names;
-# torch releases before the rename have only the old ones.
-_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_tensor(*args: Any, **kwargs: Any) -> Any:
+    """``dist.all_gather_single`` (torch 2.13 renamed it and warns on the old name), or
+    ``dist.all_gather_into_tensor`` where torch has no new name; looked up at each call, as
+    a caller that replaces torch's functions (a test that forbids communication) expects."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        *args, **kwargs
+    )
+
+
+def _reduce_scatter_tensor(*args: Any, **kwargs: Any) -> Any:
+    """``dist.reduce_scatter_single``, or ``dist.reduce_scatter_tensor`` (see above)."""
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+        *args, **kwargs
+    )
+
+
 # Collectives remembered per communicator (what each rank ran as collective #n, for the
 # mismatch check; and the ones posted but not yet waited for, for resync).
 _RING = 4096

@@ -24,7 +24,7 @@ def wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     constructor runs as torch wrote it.
     """
     if torch.compiler.is_compiling():
-        return wrap(local, spec)
+        return DTensor(local, spec, requires_grad=False)
     return DTensor.__new__(DTensor, local, spec, requires_grad=False)
 
 
