@@ -23,7 +23,46 @@ import torch
 
 from .records import GroupLayout
 
-__all__ = ["full_params", "pack_full_grads", "pack_shards", "traceable_reason"]
+__all__ = [
+    "GraphCollective",
+    "collectives_difference",
+    "full_params",
+    "pack_full_grads",
+    "pack_shards",
+    "traceable_reason",
+]
+
+# One collective node of a compiled graph: (op, ranks in its group, elements, dtype).
+GraphCollective = tuple[str, int, int, str]
+
+
+def collectives_difference(by_rank: dict[int, Sequence[GraphCollective]]) -> str | None:
+    """Where the ranks' compiled graphs run different collectives (``None``: every rank runs
+    the same ones in the same order), for an error message: the first position at which two
+    ranks differ and what each runs there."""
+    ranks = sorted(by_rank)
+    first = by_rank[ranks[0]]
+    for r in ranks[1:]:
+        other = by_rank[r]
+        if list(map(tuple, other)) == list(map(tuple, first)):
+            continue
+        k = next(
+            (i for i, (a, b) in enumerate(zip(first, other)) if tuple(a) != tuple(b)),
+            min(len(first), len(other)),
+        )
+        return (
+            f"rank {ranks[0]}'s graphs run {len(first)} collectives, rank {r}'s {len(other)}; "
+            f"collective #{k + 1} is {_describe(first, k)} on rank {ranks[0]} and "
+            f"{_describe(other, k)} on rank {r}"
+        )
+    return None
+
+
+def _describe(seq: Sequence[GraphCollective], k: int) -> str:
+    if k >= len(seq):
+        return "nothing (its graphs end)"
+    op, size, numel, dtype = seq[k]
+    return f"{op} of {numel} {dtype} elements over {size} ranks"
 
 
 def traceable_reason(layout: GroupLayout) -> str | None:

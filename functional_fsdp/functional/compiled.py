@@ -22,10 +22,10 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from ..core.errors import ArgumentTypeError, UnsupportedError
+from ..core.errors import ArgumentTypeError, CollectiveError, UnsupportedError
 from ..core.overlap import GraphNode, NodeKind, overlap_order
 from ..core.reproducible import ReproduciblePolicy
-from ..shell import TracedModel, TreeReductions
+from ..shell import TracedModel, TreeReductions, agree_on_graphs, next_graph_key
 from ._stepping import (
     Accumulated,
     _local,
@@ -118,6 +118,7 @@ class CompiledGrads:
             forward.__code__.replace(), forward.__globals__, "forward", None, forward.__closure__
         )
         self._compiles = 0
+        self._graph_key = next_graph_key()
         self._compiled = torch.compile(forward, backend=self._backend(), fullgraph=True)
 
     def _backend(self) -> Any:
@@ -168,6 +169,8 @@ class CompiledGrads:
                 ) from e
 
         def counted(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            if self._compiles == 0:  # every rank compiles its first graph: compare them
+                agree_on_graphs(gm, self._graph_key, self.where)
             self._compiles += 1
             return inner(gm, example_inputs)
 
@@ -213,6 +216,11 @@ class CompiledGrads:
     def _call(self, ordered: list[torch.Tensor], micro: Any, sinks: list[torch.Tensor]) -> Any:
         try:
             return self._compiled(ordered, micro, sinks)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            inner = getattr(e, "inner_exception", None)
+            if isinstance(inner, CollectiveError):  # the ranks' graphs differ: no collective ran
+                raise inner from None
+            raise
         except torch._dynamo.exc.Unsupported as e:  # traced on fake tensors: no collective ran
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UnsupportedError(
@@ -402,6 +410,9 @@ def compile_backward(
     Raises:
         UnsupportedError: what the trace does not cover (as ``make_train_step``), before any
             collective.
+        CollectiveMismatchError: at the first call, on every rank, when the ranks' graphs run
+            different collectives (a module of a group that runs on some ranks only), before
+            any collective.
     """
     from .step import _check_arguments, _compiled, _trainable
 

@@ -35,6 +35,8 @@ _EXPORTS: dict[str, str] = {
     "DeferredReductions": ".engine.functional_path",
     "TracedModel": ".api.traced",
     "TreeReductions": ".engine.reproducible",
+    "agree_on_graphs": ".comm.graph_agreement",
+    "next_graph_key": ".comm.graph_agreement",
     "set_local_optimizer_step": ".engine.local_step",
     "ProcessGroupComm": ".comm.process_group",
     "summon_full_params": ".io.summon",

@@ -361,6 +361,51 @@ def test_what_the_compiled_step_does_not_trace_is_refused_by_name(world: World) 
         assert "sharded on a dim other than 0" in messages[2]
 
 
+def _case_module_on_some_ranks_only() -> dict[str, Any]:
+    """A group whose module runs on rank 1 only (``Routed.extra``, one collective per group):
+    the ranks' first graphs differ, and compiling them raises on both ranks before any
+    collective ran; the same world then runs a collective, and the eager step once every
+    rank runs ``extra``."""
+    _fresh_dynamo()
+    import torch.distributed as dist
+    from _helpers import Routed
+
+    from functional_fsdp import fully_shard
+    from functional_fsdp.core.errors import CollectiveMismatchError
+    from functional_fsdp.functional import compile_backward
+
+    torch.manual_seed(0)
+    model = Routed(8)
+    for m in (*model.blocks, model.extra):
+        fully_shard(m)
+    fully_shard(model)
+    model.set_bucket_bytes(0)  # type: ignore[operator]
+    model.use_extra = _rank() == 1
+    backward = compile_backward(model, lambda m, x: m(x).square().mean(), compile="aot_eager")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(_rank()))
+    try:
+        backward(x)
+        message = None
+    except CollectiveMismatchError as e:
+        message = str(e)
+    probe = torch.ones(1)
+    dist.all_reduce(probe)  # the world is still in step
+    model.use_extra = True  # and the model trains once every rank runs every module
+    model(x).square().mean().backward()
+    return {"message": message, "probe": probe.item(), "grad": model.extra.weight.grad is not None}
+
+
+def test_a_module_run_on_some_ranks_only_is_refused_when_compiled(world: World) -> None:
+    """Where gloo aborted the process (the graphs' all-gathers paired with different sizes),
+    every rank raises CollectiveMismatchError naming the first collective that differs."""
+    for r, res in enumerate(world.run(_case_module_on_some_ranks_only)):
+        assert res["probe"] == 2.0 and res["grad"], (r, res)
+        msg = res["message"]
+        assert msg is not None, f"rank {r} compiled and ran mismatched graphs"
+        assert "compile_backward" in msg and "different collectives" in msg, msg
+        assert "all_gather_into_tensor of" in msg and "some ranks only" in msg, msg
+
+
 def _scaled_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """The loss times ``model.loss_scale`` (an attribute the caller may change between steps)."""
     return _loss(model, batch) * getattr(model, "loss_scale", 1.0)
