@@ -393,9 +393,6 @@ def make_train_step(
             (``docs/reproducibility.md``).
         compile: ``True`` (inductor) or a ``torch.compile`` backend's name (``"aot_eager"``):
             forward and backward traced whole, collectives in the graphs (docs/compiled_step.md).
-            The ranks compare their first graphs' collectives and raise
-            ``CollectiveMismatchError`` on every rank where they differ (a module of a group
-            that runs on some ranks only), before any collective.
         compile_overlap: each all-gather issued a bucket ahead, each wait where its result is
             needed (:mod:`functional_fsdp.core.overlap`); ``False``: the traced order.
 
