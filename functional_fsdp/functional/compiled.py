@@ -119,6 +119,7 @@ class CompiledGrads:
         )
         self._compiles = 0
         self._graph_key = next_graph_key()
+        self._unused: frozenset[str] = frozenset()
         self._compiled = torch.compile(forward, backend=self._backend(), fullgraph=True)
 
     def _backend(self) -> Any:
@@ -170,7 +171,12 @@ class CompiledGrads:
 
         def counted(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             if self._compiles == 0:  # every rank compiles its first graph: compare them
-                agree_on_graphs(gm, self._graph_key, self.where)
+                order = self._order
+                ranks = self._traced.ranks
+                unused = agree_on_graphs(gm, self._graph_key, self.where, ranks, len(order))
+                self._unused = frozenset(order[i] for i in unused)
+            else:  # graphs compiled since may read what the first did not: no longer known
+                self._unused = frozenset()
             self._compiles += 1
             return inner(gm, example_inputs)
 
@@ -228,6 +234,11 @@ class CompiledGrads:
                 "the model or loss_fn calls something torch.compile cannot trace (see the "
                 "chained error for where). Make the step without compile, or change that call"
             ) from e
+
+    def unused(self) -> frozenset[str]:
+        """The parameters the first compiled graph reads on no rank (none once another graph
+        was compiled: it may read them)."""
+        return self._unused
 
     def report(self) -> CompileReport:
         """What compiling did so far (see :class:`CompileReport`)."""
@@ -430,8 +441,11 @@ def compile_backward(
 
     def backward(batch: Any) -> torch.Tensor:
         acc = compiled.grads(own, batch, grad_accum, False)
+        unused = compiled.unused()  # as loss.backward(): no gradient where no rank used it
         with torch.no_grad():
             for n, g in zip(trainable, acc.grads):
+                if n in unused:
+                    continue
                 p = own[n]
                 if p.grad is None:
                     p.grad = (

@@ -406,6 +406,57 @@ def test_a_module_run_on_some_ranks_only_is_refused_when_compiled(world: World) 
         assert "all_gather_into_tensor of" in msg and "some ranks only" in msg, msg
 
 
+def _case_parameter_no_rank_uses(use_on: tuple[int, ...]) -> dict[str, Any]:
+    """``Routed.extra`` (in the root's group) run on the ranks in ``use_on``: compile_backward and loss.backward() through the hooks, 3 AdamW steps
+    with weight decay each, then the parameters and which ones got a gradient."""
+    _fresh_dynamo()
+    from _helpers import Routed
+
+    from functional_fsdp import fully_shard
+    from functional_fsdp.functional import compile_backward
+
+    def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return m(x).square().mean()
+
+    out = {}
+    for mode in (False, "aot_eager"):
+        torch.manual_seed(0)
+        model = Routed(8)
+        fully_shard(model.blocks[1])
+        fully_shard(model)  # extra in the root's group with blocks[0] (alone in a group it would
+        model.use_extra = _rank() in use_on  # reduce on some ranks only: refused on both paths)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        backward = compile_backward(model, loss_fn, compile=mode) if mode else None
+        for s in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + _rank()))
+            if backward is None:
+                loss_fn(model, x).backward()
+            else:
+                backward(x)
+            graded = sorted(n for n, p in model.named_parameters() if p.grad is not None)
+            opt.step()
+            opt.zero_grad()
+        out[mode] = ({n: p.detach().full_tensor() for n, p in model.named_parameters()}, graded)
+    (eager, eager_graded), (compiled, graded) = out[False], out["aot_eager"]
+    return {
+        "params": max((eager[n] - compiled[n]).abs().max().item() for n in eager),
+        "graded": graded,
+        "eager_graded": eager_graded,
+    }
+
+
+@pytest.mark.parametrize("use_on", [(), (1,)], ids=["no-rank", "rank-1"])
+def test_compile_backward_gives_no_gradient_where_no_rank_used_a_parameter(
+    world: World, use_on: tuple[int, ...]
+) -> None:
+    """As loss.backward(): a parameter no rank used gets no gradient (so AdamW's weight decay
+    and moments leave it alone); one that some rank used gets the reduced gradient."""
+    for r in world.run(_case_parameter_no_rank_uses, use_on):
+        assert r["graded"] == r["eager_graded"], r
+        assert ("extra.weight" in r["graded"]) == bool(use_on), r
+        assert r["params"] == 0.0, r
+
+
 def _scaled_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """The loss times ``model.loss_scale`` (an attribute the caller may change between steps)."""
     return _loss(model, batch) * getattr(model, "loss_scale", 1.0)

@@ -440,6 +440,16 @@ class TracedModel:
         traces = _group_traces(model, where, reduce)
         self.layouts = [t.layout for t in traces]
         self.order = [n for t in traces for n in t.names]
+        # The global ranks of the model's meshes (the ranks whose graphs must agree).
+        self.ranks = sorted(
+            {
+                int(r)
+                for t in traces
+                for g in (t.shard, t.replicate)
+                if g
+                for r in g[0].mesh.flatten()
+            }
+        )
         self.groups = groups = [g for g, _ in model_groups(model)]
         holders = [g.holders for g in groups]
         gathered = {id(getattr(m, a)) for hs in holders for h in hs for m, a in h}

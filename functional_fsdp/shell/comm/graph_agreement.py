@@ -16,12 +16,15 @@ from __future__ import annotations
 import datetime
 import itertools
 import json
+import operator
+import re
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from ...core.errors import CollectiveMismatchError, CollectiveTimeoutError
-from ...core.traced import GraphCollective, collectives_difference
+from ...core.traced import GraphCollective, collectives_difference, unused_everywhere
 
 __all__ = ["agree_on_graphs", "graph_collectives", "next_graph_key"]
 
@@ -69,6 +72,92 @@ def graph_collectives(gm: torch.fx.GraphModule) -> tuple[list[GraphCollective], 
     return out, list(groups)
 
 
+_LOCAL = re.compile(r"^L\['locals_'\]\[(\d+)\]$")
+
+
+def unused_locals(gm: torch.fx.GraphModule, n_locals: int) -> frozenset[int] | None:
+    """Which of the traced forward's local shards (``locals_[i]``, the parameters in
+    ``TracedModel.order``) the graph never uses, or ``None`` where the graph is not laid out
+    as the traced forward lays it out (then every parameter counts as used).
+
+    Each bucket's gather is an ``autograd_function_apply`` node (inside a
+    ``tag_activation_checkpoint`` body where the bucket is gathered again in backward) whose
+    outputs are the bucket's full parameters in order; dynamo keeps a ``getitem`` only for an
+    output that is read. The bucket's first parameter is the smallest ``locals_`` index among
+    the gather's inputs (buckets are consecutive runs of ``order``); a bucket no module of
+    which ran on this rank has no gather at all."""
+    used: set[int] = set()
+
+    def walk(
+        g: torch.fx.GraphModule, sources: list[set[int]] | None, live_out: set[int] | None
+    ) -> bool:
+        anc: dict[torch.fx.Node, set[int]] = {}
+        placeholders = 0
+        for node in g.graph.nodes:
+            if node.op == "placeholder":
+                if sources is None:
+                    grapharg = node.meta.get("grapharg")
+                    source = getattr(grapharg, "source", None)
+                    name = getattr(source, "name", "")
+                    name = name() if callable(name) else str(name)  # a property on newer torch
+                    m = _LOCAL.match(name)
+                    anc[node] = {int(m.group(1))} if m else set()
+                else:
+                    if placeholders >= len(sources):
+                        return False
+                    anc[node] = sources[placeholders]
+                placeholders += 1
+            else:
+                anc[node] = set().union(*(anc.get(a, set()) for a in node.all_input_nodes))
+        live = _live(g, live_out)
+        for node in g.graph.nodes:
+            if node.op != "call_function":
+                continue
+            target = getattr(node.target, "__name__", str(node.target))
+            if target == "autograd_function_apply":
+                inputs = set().union(
+                    *(anc[a] for a in node.args[2:] if isinstance(a, torch.fx.Node))
+                )
+                if not inputs:
+                    return False
+                start = min(inputs)
+                for user in node.users:
+                    if user in live and user.target is operator.getitem:
+                        used.add(start + int(user.args[1]))
+            elif target == "tag_activation_checkpoint":
+                body = getattr(g, str(node.args[0].target), None)
+                if not isinstance(body, torch.fx.GraphModule):
+                    return False
+                inner = [anc[a] if isinstance(a, torch.fx.Node) else set() for a in node.args[1:]]
+                outs = {
+                    int(u.args[1]) for u in node.users if u in live and u.target is operator.getitem
+                }
+                if not walk(body, inner, outs):
+                    return False
+        return True
+
+    if not walk(gm, None, None):
+        return None
+    return frozenset(range(n_locals)) - used
+
+
+def _live(g: torch.fx.GraphModule, live_out: set[int] | None) -> set[torch.fx.Node]:
+    """The nodes of ``g`` whose values reach its output (only the output positions in
+    ``live_out``, when given: a checkpointed body whose caller reads some of its outputs)."""
+    nodes = list(g.graph.nodes)
+    live: set[torch.fx.Node] = set()
+    for node in reversed(nodes):
+        if node.op == "output":
+            outs = node.args[0]
+            flat = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+            for k, a in enumerate(flat):
+                if isinstance(a, torch.fx.Node) and (live_out is None or k in live_out):
+                    live.add(a)
+        elif node in live:
+            live.update(node.all_input_nodes)
+    return live
+
+
 _C10D = "_c10d_functional."
 
 
@@ -77,22 +166,31 @@ def _group(name: str) -> dist.ProcessGroup:
 
 
 def agree_on_graphs(
-    gm: torch.fx.GraphModule, key: str, where: str, timeout_s: float = 300.0
-) -> None:
-    """Publish the collectives of this rank's graph ``gm`` (:func:`graph_collectives`) under
-    ``key`` and compare them with those of every rank it shares a process group with; raise
-    :class:`CollectiveMismatchError` naming the first difference, or
-    :class:`CollectiveTimeoutError` when a rank did not publish within ``timeout_s`` (it
-    failed before compiling, or makes its steps in another order)."""
-    if not dist.is_initialized():
-        return
-    collectives, group_names = graph_collectives(gm)
-    peers = sorted({r for name in group_names for r in dist.get_process_group_ranks(_group(name))})
+    gm: torch.fx.GraphModule,
+    key: str,
+    where: str,
+    ranks: Sequence[int],
+    n_locals: int,
+    timeout_s: float = 300.0,
+) -> frozenset[int]:
+    """Publish what this rank's graph ``gm`` does under ``key``: its collectives
+    (:func:`graph_collectives`) and the local shards it never uses (:func:`unused_locals`),
+    and compare with every rank of ``ranks`` (the model's mesh). Return the local shards
+    (indices of ``locals_``) no rank's graph uses: their parameters get no gradient, as
+    ``loss.backward()`` leaves a parameter no rank used without one.
+
+    Raises :class:`CollectiveMismatchError` on every rank, naming the first difference, when
+    the ranks' collectives differ; :class:`CollectiveTimeoutError` when a rank did not publish
+    within ``timeout_s`` (it failed before compiling, or makes its steps in another order)."""
+    unused = unused_locals(gm, n_locals)
+    if not dist.is_initialized() or len(ranks) <= 1:
+        return unused or frozenset()
+    collectives, _ = graph_collectives(gm)
     me = dist.get_rank()
-    if len(peers) <= 1:
-        return
     store = dist.distributed_c10d._get_default_store()
-    store.set(f"{key}/{me}", json.dumps([list(c) for c in collectives]))
+    mine = {"collectives": [list(c) for c in collectives], "unused": _sorted(unused)}
+    store.set(f"{key}/{me}", json.dumps(mine))
+    peers = sorted(ranks)
     keys = [f"{key}/{r}" for r in peers]
     try:
         store.wait(keys, datetime.timedelta(seconds=timeout_s))
@@ -103,8 +201,10 @@ def agree_on_graphs(
             f"rank(s) {missing}, which did not compile theirs (they failed before, or make their "
             "compiled steps in another order: every rank must make the same steps)"
         ) from e
-    by_rank = {r: [tuple(c) for c in json.loads(store.get(k))] for r, k in zip(peers, keys)}
-    why = collectives_difference(by_rank)  # type: ignore[arg-type]
+    theirs = {r: json.loads(store.get(k)) for r, k in zip(peers, keys)}
+    why = collectives_difference(
+        {r: [tuple(c) for c in t["collectives"]] for r, t in theirs.items()}
+    )
     if why is not None:
         raise CollectiveMismatchError(
             f"{where}: the ranks compiled graphs with different collectives ({why}), which "
@@ -113,3 +213,8 @@ def agree_on_graphs(
             "rank (route inside a group, e.g. multiply an unused branch's output by 0), or make "
             "the step without compile (the eager path raises at the first such collective)"
         )
+    return unused_everywhere([t["unused"] for t in theirs.values()])
+
+
+def _sorted(unused: frozenset[int] | None) -> list[int] | None:
+    return None if unused is None else sorted(unused)
