@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from ..core.errors import ArgumentTypeError, CollectiveError, UnsupportedError
 from ..core.overlap import GraphNode, NodeKind, overlap_order
 from ..core.reproducible import ReproduciblePolicy
-from ..shell import TracedModel, TreeReductions, agree_on_graphs, next_graph_key
+from ..shell import TracedModel, TreeReductions, agree_on_graphs, any_rank, next_graph_key
 from ._stepping import (
     Accumulated,
     _local,
@@ -175,8 +175,6 @@ class CompiledGrads:
                 ranks = self._traced.ranks
                 unused = agree_on_graphs(gm, self._graph_key, self.where, ranks, len(order))
                 self._unused = frozenset(order[i] for i in unused)
-            else:  # graphs compiled since may read what the first did not: no longer known
-                self._unused = frozenset()
             self._compiles += 1
             return inner(gm, example_inputs)
 
@@ -236,8 +234,14 @@ class CompiledGrads:
             ) from e
 
     def unused(self) -> frozenset[str]:
-        """The parameters the first compiled graph reads on no rank (none once another graph
-        was compiled: it may read them)."""
+        """The parameters no rank's graph read in the step that just ran: those the ranks'
+        first graphs read nowhere, while every rank still runs its first graph. Every rank
+        calls it after each step; while that set is not empty it all-reduces whether any rank
+        compiled another graph (a guard that failed there only: that graph may read them, and
+        the reduce-scatter then brought its gradient to every rank), and forgets the set for
+        good when one did."""
+        if self._unused and any_rank(self._compiles > 1, self._traced.mesh_dims):
+            self._unused = frozenset()
         return self._unused
 
     def report(self) -> CompileReport:

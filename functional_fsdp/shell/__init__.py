@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "TracedModel": ".api.traced",
     "TreeReductions": ".engine.reproducible",
     "agree_on_graphs": ".comm.graph_agreement",
+    "any_rank": ".comm.graph_agreement",
     "next_graph_key": ".comm.graph_agreement",
     "set_local_optimizer_step": ".engine.local_step",
     "ProcessGroupComm": ".comm.process_group",

@@ -406,9 +406,29 @@ def test_a_module_run_on_some_ranks_only_is_refused_when_compiled(world: World) 
         assert "all_gather_into_tensor of" in msg and "some ranks only" in msg, msg
 
 
-def _case_parameter_no_rank_uses(use_on: tuple[int, ...]) -> dict[str, Any]:
-    """``Routed.extra`` (in the root's group) run on the ranks in ``use_on``: compile_backward and loss.backward() through the hooks, 3 AdamW steps
-    with weight decay each, then the parameters and which ones got a gradient."""
+class _InPlace(nn.Module):
+    """``Routed``'s parameters, ``extra``'s output reaching the loss only through an in-place
+    write (``y.add_(...)``: dynamo's later reads of ``y`` read the node before it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from _helpers import Routed
+
+        self.__dict__.update(Routed(8).__dict__)
+        self.use_extra = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.blocks[0](x))
+        y = torch.zeros_like(x)
+        if self.use_extra:
+            y.add_(torch.tanh(self.extra(x)))
+        return self.blocks[1](x + y)
+
+
+def _case_parameter_no_rank_uses(uses: str) -> dict[str, Any]:
+    """``Routed.extra`` (in the root's group) run where ``uses`` says, compile_backward against
+    loss.backward() through the hooks, 3 AdamW steps with weight decay each: the parameters
+    and, each step, which ones got a gradient."""
     _fresh_dynamo()
     from _helpers import Routed
 
@@ -418,22 +438,32 @@ def _case_parameter_no_rank_uses(use_on: tuple[int, ...]) -> dict[str, Any]:
     def loss_fn(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return m(x).square().mean()
 
+    def used(step: int) -> bool:
+        return {
+            "no-rank": False,
+            "rank-1": _rank() == 1,
+            "rank-1-from-step-1": _rank() == 1 and step >= 1,  # a recompile on rank 1 only
+            "in-place": True,
+        }[uses]
+
     out = {}
     for mode in (False, "aot_eager"):
         torch.manual_seed(0)
-        model = Routed(8)
+        model = _InPlace() if uses == "in-place" else Routed(8)
         fully_shard(model.blocks[1])
-        fully_shard(model)  # extra in the root's group with blocks[0] (alone in a group it would
-        model.use_extra = _rank() in use_on  # reduce on some ranks only: refused on both paths)
+        fully_shard(model)  # extra in the root's group with blocks[0] (alone in a group it
+        # would reduce on some ranks only: refused on both paths)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         backward = compile_backward(model, loss_fn, compile=mode) if mode else None
+        graded = []
         for s in range(3):
+            model.use_extra = used(s)
             x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + _rank()))
             if backward is None:
                 loss_fn(model, x).backward()
             else:
                 backward(x)
-            graded = sorted(n for n, p in model.named_parameters() if p.grad is not None)
+            graded.append(sorted(n for n, p in model.named_parameters() if p.grad is not None))
             opt.step()
             opt.zero_grad()
         out[mode] = ({n: p.detach().full_tensor() for n, p in model.named_parameters()}, graded)
@@ -445,15 +475,16 @@ def _case_parameter_no_rank_uses(use_on: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("use_on", [(), (1,)], ids=["no-rank", "rank-1"])
+@pytest.mark.parametrize("uses", ["no-rank", "rank-1", "rank-1-from-step-1", "in-place"])
 def test_compile_backward_gives_no_gradient_where_no_rank_used_a_parameter(
-    world: World, use_on: tuple[int, ...]
+    world: World, uses: str
 ) -> None:
     """As loss.backward(): a parameter no rank used gets no gradient (so AdamW's weight decay
-    and moments leave it alone); one that some rank used gets the reduced gradient."""
-    for r in world.run(_case_parameter_no_rank_uses, use_on):
+    and moments leave it alone); one that some rank used, also only through an in-place write
+    or only in a graph one rank compiled later, gets the reduced gradient on every rank."""
+    for r in world.run(_case_parameter_no_rank_uses, uses):
         assert r["graded"] == r["eager_graded"], r
-        assert ("extra.weight" in r["graded"]) == bool(use_on), r
+        assert ("extra.weight" in r["graded"][0]) == (uses in ("rank-1", "in-place")), r
         assert r["params"] == 0.0, r
 
 

@@ -440,16 +440,11 @@ class TracedModel:
         traces = _group_traces(model, where, reduce)
         self.layouts = [t.layout for t in traces]
         self.order = [n for t in traces for n in t.names]
-        # The global ranks of the model's meshes (the ranks whose graphs must agree).
-        self.ranks = sorted(
-            {
-                int(r)
-                for t in traces
-                for g in (t.shard, t.replicate)
-                if g
-                for r in g[0].mesh.flatten()
-            }
-        )
+        # The global ranks of the model's meshes (the ranks whose graphs must agree), and the
+        # (mesh, dim)s that reach all of them (a flag reduced over each reaches every rank).
+        meshes = [g for t in traces for g in (t.shard, t.replicate) if g]
+        self.ranks = sorted({int(r) for mesh, _ in meshes for r in mesh.mesh.flatten()})
+        self.mesh_dims = list({_group_key(g): g for g in meshes}.values())
         self.groups = groups = [g for g, _ in model_groups(model)]
         holders = [g.holders for g in groups]
         gathered = {id(getattr(m, a)) for hs in holders for h in hs for m, a in h}

@@ -19,6 +19,7 @@ import json
 import operator
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from ...core.errors import CollectiveMismatchError, CollectiveTimeoutError
 from ...core.traced import GraphCollective, collectives_difference, unused_everywhere
 
-__all__ = ["agree_on_graphs", "graph_collectives", "next_graph_key"]
+__all__ = ["agree_on_graphs", "any_rank", "graph_collectives", "next_graph_key", "unused_locals"]
 
 _KEYS = itertools.count()
 
@@ -72,6 +73,7 @@ def graph_collectives(gm: torch.fx.GraphModule) -> tuple[list[GraphCollective], 
     return out, list(groups)
 
 
+_GATHERS = ("autograd_function_apply", "tag_activation_checkpoint")
 _LOCAL = re.compile(r"^L\['locals_'\]\[(\d+)\]$")
 
 
@@ -87,6 +89,7 @@ def unused_locals(gm: torch.fx.GraphModule, n_locals: int) -> frozenset[int] | N
     the gather's inputs (buckets are consecutive runs of ``order``); a bucket no module of
     which ran on this rank has no gather at all."""
     used: set[int] = set()
+    reached: set[int] = set()  # the local shards some recognised gather reads
 
     def walk(
         g: torch.fx.GraphModule, sources: list[set[int]] | None, live_out: set[int] | None
@@ -120,6 +123,7 @@ def unused_locals(gm: torch.fx.GraphModule, n_locals: int) -> frozenset[int] | N
                 )
                 if not inputs:
                     return False
+                reached.update(inputs)
                 start = min(inputs)
                 for user in node.users:
                     if user in live and user.target is operator.getitem:
@@ -134,6 +138,10 @@ def unused_locals(gm: torch.fx.GraphModule, n_locals: int) -> frozenset[int] | N
                 }
                 if not walk(body, inner, outs):
                     return False
+        if sources is None:  # a shard that reaches the loss through no gather it recognised:
+            for node in g.graph.nodes:  # a layout of dynamo's it does not know, so it says
+                if node.op == "placeholder" and node in live and anc[node] - reached:  # nothing
+                    return False
         return True
 
     if not walk(gm, None, None):
@@ -143,7 +151,10 @@ def unused_locals(gm: torch.fx.GraphModule, n_locals: int) -> frozenset[int] | N
 
 def _live(g: torch.fx.GraphModule, live_out: set[int] | None) -> set[torch.fx.Node]:
     """The nodes of ``g`` whose values reach its output (only the output positions in
-    ``live_out``, when given: a checkpointed body whose caller reads some of its outputs)."""
+    ``live_out``, when given: a checkpointed body whose caller reads some of its outputs), or
+    a node that nothing reads: dynamo drops dead nodes, so one left is kept for its effect (an
+    in-place write, ``y[:, :4] = f(w)`` or ``y.add_(f(w))``: later reads of ``y`` read the
+    node before it, and the parameter's only way to the loss is that write)."""
     nodes = list(g.graph.nodes)
     live: set[torch.fx.Node] = set()
     for node in reversed(nodes):
@@ -153,9 +164,20 @@ def _live(g: torch.fx.GraphModule, live_out: set[int] | None) -> set[torch.fx.No
             for k, a in enumerate(flat):
                 if isinstance(a, torch.fx.Node) and (live_out is None or k in live_out):
                     live.add(a)
-        elif node in live:
+        elif node in live or (not node.users and _effect(node)):
+            live.add(node)
             live.update(node.all_input_nodes)
     return live
+
+
+def _effect(node: torch.fx.Node) -> bool:
+    """A call that may write (anything but a ``getitem`` and the gathers' own wrappers, which
+    are read-only: an unread one is a parameter nobody uses)."""
+    if node.op in ("call_method", "call_module"):  # y.add_(...), y.copy_(...)
+        return True
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    return getattr(node.target, "__name__", "") not in _GATHERS
 
 
 _C10D = "_c10d_functional."
@@ -214,6 +236,18 @@ def agree_on_graphs(
             "the step without compile (the eager path raises at the first such collective)"
         )
     return unused_everywhere([t["unused"] for t in theirs.values()])
+
+
+def any_rank(flag: bool, mesh_dims: Sequence[tuple[Any, int]]) -> bool:
+    """Whether ``flag`` holds on any rank of the meshes: a max all-reduce over each
+    ``(mesh, dim)`` in turn (together they reach every rank of a mesh)."""
+    out = torch.tensor([1.0 if flag else 0.0])
+    for mesh, dim in mesh_dims:
+        if mesh.size(dim) > 1:
+            t = out.to(mesh.device_type)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+            out = t.cpu()
+    return bool(out.item() > 0)
 
 
 def _sorted(unused: frozenset[int] | None) -> list[int] | None:
