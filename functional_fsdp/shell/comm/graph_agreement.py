@@ -7,8 +7,12 @@ collectives (gloo aborts the process on the first size mismatch, or both wait fo
 eager engine finds this at the first such collective (``CollectiveMismatchError``); a graph
 runs its collectives without the engine, so the ranks compare their graphs when they are
 first compiled instead: each publishes its collectives to the default store, waits (bounded)
-for the ranks it shares a process group with, and raises the same error on every rank whose
-graphs differ, before any collective ran.
+for every rank of the model's mesh, and raises the same error on every rank whose graphs
+differ, before any collective ran.
+
+With them each rank publishes the parameters its graph never reads (:func:`unused_locals`):
+those no rank reads get no gradient from ``compile_backward``, as from ``loss.backward()``,
+while every rank still runs its first graph (:func:`any_rank` tells, once a step).
 """
 
 from __future__ import annotations
