@@ -25,7 +25,14 @@ from torch.distributed.tensor import DTensor
 from ..core.errors import ArgumentTypeError, CollectiveError, UnsupportedError
 from ..core.overlap import GraphNode, NodeKind, overlap_order
 from ..core.reproducible import ReproduciblePolicy
-from ..shell import TracedModel, TreeReductions, agree_on_graphs, any_rank, next_graph_key
+from ..shell import (
+    TracedModel,
+    TreeReductions,
+    agree_on_graphs,
+    any_rank,
+    graph_collectives,
+    next_graph_key,
+)
 from ._stepping import (
     Accumulated,
     _local,
@@ -261,13 +268,8 @@ class CompiledGrads:
 
 def _collectives(gm: Any) -> dict[str, int]:
     out: dict[str, int] = {}
-    if gm is None:
-        return out
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and "_c10d_functional" in str(node.target):
-            name = str(node.target).split(".")[-2] if "." in str(node.target) else str(node.target)
-            if name != "wait_tensor":
-                out[name] = out.get(name, 0) + 1
+    for op, *_ in graph_collectives(gm) if gm is not None else ():
+        out[op] = out.get(op, 0) + 1
     return out
 
 

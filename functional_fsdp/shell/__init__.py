@@ -37,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "TreeReductions": ".engine.reproducible",
     "agree_on_graphs": ".comm.graph_agreement",
     "any_rank": ".comm.graph_agreement",
+    "graph_collectives": ".comm.graph_agreement",
     "next_graph_key": ".comm.graph_agreement",
     "set_local_optimizer_step": ".engine.local_step",
     "ProcessGroupComm": ".comm.process_group",

@@ -43,11 +43,11 @@ def next_graph_key() -> str:
     return f"ffsdp/compiled_graphs/{next(_KEYS)}"
 
 
-def graph_collectives(gm: torch.fx.GraphModule) -> tuple[list[GraphCollective], list[str]]:
-    """The collective nodes of dynamo's graph ``gm`` and of the graphs nested in it (the
-    autograd functions' forward and backward bodies, checkpointed regions), in order:
-    ``(op, ranks in its group, elements, dtype)`` each; and the process groups they run on.
-    The backward bodies' collectives are in it too: they are traced with the forward."""
+def graph_collectives(gm: torch.fx.GraphModule) -> list[GraphCollective]:
+    """The collective nodes of the graph ``gm`` (dynamo's or AOTAutograd's) and of the graphs
+    nested in it (the autograd functions' forward and backward bodies, checkpointed regions),
+    in order: ``(op, ranks in its group, elements, dtype)`` each. In dynamo's graph the
+    backward bodies' collectives are there too: they are traced with the forward."""
     out: list[GraphCollective] = []
     groups: dict[str, int] = {}
 
@@ -74,7 +74,7 @@ def graph_collectives(gm: torch.fx.GraphModule) -> tuple[list[GraphCollective], 
                     walk(sub)
 
     walk(gm)
-    return out, list(groups)
+    return out
 
 
 _GATHERS = ("autograd_function_apply", "tag_activation_checkpoint")
@@ -211,7 +211,7 @@ def agree_on_graphs(
     unused = unused_locals(gm, n_locals)
     if not dist.is_initialized() or len(ranks) <= 1:
         return unused or frozenset()
-    collectives, _ = graph_collectives(gm)
+    collectives = graph_collectives(gm)
     me = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
     mine = {"collectives": [list(c) for c in collectives], "unused": _sorted(unused)}
