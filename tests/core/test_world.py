@@ -97,3 +97,43 @@ def test_sub_groups_are_created_once_under_concurrency(monkeypatch: pytest.Monke
     finally:
         sys.setswitchinterval(old)
     assert threading.active_count() < 50
+
+
+def test_ranks_take_turns_between_collectives() -> None:
+    """One rank runs at a time: a rank holds the turn from one collective to the next, so
+    the ranks never fight for the interpreter (torch releases it inside every op)."""
+    world = SimulatedWorld(4)
+    lock = threading.Lock()
+    running: list[int] = []
+    overlaps: list[list[int]] = []
+
+    def body(c) -> None:
+        for _ in range(5):
+            with lock:
+                running.append(c.rank)
+                if len(running) > 1:
+                    overlaps.append(list(running))
+            for _ in range(200):  # ops that release the GIL: a chance for another rank to run
+                torch.ones(8).add_(1)
+            with lock:
+                running.remove(c.rank)
+            c.all_reduce(torch.ones(1))
+
+    world.run(body)
+    assert overlaps == []
+    assert world.world.calls == 5
+
+
+def test_a_rank_that_skips_a_collective_breaks_it_after_the_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(world_mod, "_TIMEOUT_S", 0.5)
+    world = SimulatedWorld(2)
+
+    def body(c) -> None:
+        if c.rank == 0:
+            c.all_reduce(torch.ones(1))
+
+    with pytest.raises(threading.BrokenBarrierError):
+        world.run(body)
+    assert all(float(t) == 2.0 for t in world.run(_sum_of_ones))  # the group was replaced
