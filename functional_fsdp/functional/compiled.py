@@ -20,7 +20,6 @@ from typing import Any
 import attrs
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from ..core.errors import ArgumentTypeError, CollectiveError, UnsupportedError
 from ..core.overlap import GraphNode, NodeKind, overlap_order
@@ -32,6 +31,7 @@ from ..shell import (
     any_rank,
     graph_collectives,
     next_graph_key,
+    wrap_like,
 )
 from ._stepping import (
     Accumulated,
@@ -454,9 +454,7 @@ def compile_backward(
                     continue
                 p = own[n]
                 if p.grad is None:
-                    p.grad = (
-                        DTensor(g, p._spec, requires_grad=False) if isinstance(p, DTensor) else g
-                    )
+                    p.grad = wrap_like(g, p)
                 else:
                     _local(p.grad).add_(g)
         return acc.loss_sum / grad_accum

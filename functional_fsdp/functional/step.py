@@ -45,7 +45,7 @@ from ..core.errors import (
     ReproducibilityError,
 )
 from ..core.reproducible import ReproduciblePolicy
-from ..shell import FSDPModule
+from ..shell import FSDPModule, wrap_like
 from ._pytrees import register_everywhere
 from ._stepping import Accumulated, accumulate_grads, dp_size
 from .norms import StepNorms
@@ -121,21 +121,12 @@ def check_not_donated(state: TrainState, where: str) -> None:
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DTensor):
-        return _wrap(t._local_tensor.detach().clone(), t)
+        return wrap_like(t._local_tensor.detach().clone(), t)
     return t.detach().clone()
 
 
 def _local(t: Any) -> Any:
     return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _wrap(local: torch.Tensor, like: Any) -> Any:
-    """``local`` as a tensor like ``like`` (a ``DTensor`` with ``like``'s spec, or plain)."""
-    if not isinstance(like, DTensor):
-        return local
-    if local is like._local_tensor:
-        return like
-    return DTensor(local, like._spec, requires_grad=False)
 
 
 def _check_model(model: nn.Module, what: str) -> None:
@@ -310,9 +301,9 @@ def _apply(
     )
     new_params = dict(state.params)
     for n in trainable:
-        new_params[n] = _wrap(new_local[n], state.params[n])
+        new_params[n] = wrap_like(new_local[n], state.params[n])
     new_opt = optree.tree_map(
-        lambda new, old: _wrap(new, old) if isinstance(old, torch.Tensor) else new,
+        lambda new, old: wrap_like(new, old) if isinstance(old, torch.Tensor) else new,
         new_opt_local,
         state.opt_state,
         namespace=NAMESPACE,

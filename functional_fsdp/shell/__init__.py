@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "graph_collectives": ".comm.graph_agreement",
     "next_graph_key": ".comm.graph_agreement",
     "set_local_optimizer_step": ".engine.local_step",
+    "wrap_like": ".engine.dtensors",
     "ProcessGroupComm": ".comm.process_group",
     "summon_full_params": ".io.summon",
     "keep_neighbour_copies": ".recovery.copies",
