@@ -488,16 +488,20 @@ def test_compile_backward_gives_no_gradient_where_no_rank_used_a_parameter(
         assert r["params"] == 0.0, r
 
 
-def _scaled_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+def _scaled_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The loss times ``model.loss_scale`` (an attribute the caller may change between steps)."""
-    return _loss(model, batch) * getattr(model, "loss_scale", 1.0)
+    return model(x).square().mean() * getattr(model, "loss_scale", 1.0)
 
 
 def _case_settings_changed_after_build() -> dict[str, Any]:
     """3 steps, ``model.loss_scale = 4.0`` set on the module between the first and the
     second, after the step was built: compiled against eager, and against a run that never
-    changed it."""
+    changed it. (Two linear blocks and the root's: the setting, not the model, is under test,
+    and each graph dynamo compiles for the GPT costs about 5 s a rank.)"""
     _fresh_dynamo()
+    from _helpers import Routed
+
+    from functional_fsdp import fully_shard
     from functional_fsdp.functional import init, make_train_step
 
     out = {}
@@ -506,14 +510,20 @@ def _case_settings_changed_after_build() -> dict[str, Any]:
         ("compiled", "aot_eager", True),
         ("unchanged", False, False),
     ):
-        model = _small()
+        torch.manual_seed(0)
+        model = Routed(8)
+        model.use_extra = True
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
         opt = _functional_opt("adamw")
         step = make_train_step(model, _scaled_loss, opt, compile=compile)
         state = init(model, opt)
         for s in range(3):
             if s == 1 and change:
                 model.loss_scale = 4.0
-            state, _ = step(state, _batch(s, _rank()))
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + _rank()))
+            state, _ = step(state, x)
         out[name] = state.params
     return {
         "compiled": _diff(out["compiled"], out["eager"]),
