@@ -225,6 +225,7 @@ class CompiledGrads:
         return Accumulated(acc, loss_sum, auxes)
 
     def _call(self, ordered: list[torch.Tensor], micro: Any, sinks: list[torch.Tensor]) -> Any:
+        self._traced.refresh()  # the model's settings as they are now, outside the graph
         try:
             return self._compiled(ordered, micro, sinks)
         except torch._dynamo.exc.BackendCompilerFailed as e:

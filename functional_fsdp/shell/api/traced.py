@@ -516,6 +516,13 @@ class TracedModel:
             for m, attr in holders:
                 setattr(m, attr, v)
 
+    def refresh(self) -> None:
+        """Give the skeleton its originals' attributes and buffers as they are now (see
+        :func:`_refresh`). Called eagerly before each call of a compiled :meth:`forward`:
+        dynamo then guards on the skeleton's attributes alone, and torch 2.11's dynamo cannot
+        trace the copy (``module.__dict__.items()``)."""
+        _refresh(self._pairs)
+
     def forward(
         self, locals_: list[torch.Tensor], batch: Any, sinks: list[torch.Tensor] | None = None
     ) -> Any:
@@ -526,7 +533,8 @@ class TracedModel:
         self._box["locals"] = locals_
         self._box["sinks"] = sinks or []
         self._box["done"] = set()
-        _refresh(self._pairs)
+        if not torch.compiler.is_compiling():  # a compiled caller refreshes before the call
+            _refresh(self._pairs)
         out = self._loss_fn(self._skeleton, batch)
         # Leave nothing behind: an attribute or entry still set when the trace ends would make
         # its tensor a graph output (kept alive) and change the next call's guards.
