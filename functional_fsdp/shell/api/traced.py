@@ -518,9 +518,9 @@ class TracedModel:
 
     def refresh(self) -> None:
         """Give the skeleton its originals' attributes and buffers as they are now (see
-        :func:`_refresh`). Called eagerly before each call of a compiled :meth:`forward`:
-        dynamo then guards on the skeleton's attributes alone, and torch 2.11's dynamo cannot
-        trace the copy (``module.__dict__.items()``)."""
+        :func:`_refresh`). The caller calls it before each call of :meth:`forward`, outside
+        the compiled function: dynamo then guards on the skeleton's attributes alone, and
+        torch 2.11's dynamo cannot trace the copy (``module.__dict__.items()``)."""
         _refresh(self._pairs)
 
     def forward(
@@ -529,12 +529,11 @@ class TracedModel:
         """``loss_fn(skeleton, batch)``, each group's full parameters gathered from ``locals_``
         (this rank's unpadded shards, in :attr:`order`) when its module's forward begins.
         ``sinks`` (``reduce="outside"`` only): one tensor per parameter, in :attr:`order`,
-        whose gradient is that parameter's full gradient (any values: they are not read)."""
+        whose gradient is that parameter's full gradient (any values: they are not read). The
+        skeleton's settings are those of the last :meth:`refresh`."""
         self._box["locals"] = locals_
         self._box["sinks"] = sinks or []
         self._box["done"] = set()
-        if not torch.compiler.is_compiling():  # a compiled caller refreshes before the call
-            _refresh(self._pairs)
         out = self._loss_fn(self._skeleton, batch)
         # Leave nothing behind: an attribute or entry still set when the trace ends would make
         # its tensor a graph output (kept alive) and change the next call's guards.

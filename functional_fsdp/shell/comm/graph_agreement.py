@@ -142,9 +142,11 @@ def unused_locals(gm: torch.fx.GraphModule, n_locals: int) -> frozenset[int] | N
                 }
                 if not walk(body, inner, outs):
                     return False
-        if sources is None:  # a shard that reaches the loss through no gather it recognised:
-            for node in g.graph.nodes:  # a layout of dynamo's it does not know, so it says
-                if node.op == "placeholder" and node in live and anc[node] - reached:  # nothing
+        if sources is None:
+            # A shard that reaches the loss through no gather recognised above: a layout of
+            # dynamo's this does not know, so it says nothing.
+            for node in g.graph.nodes:
+                if node.op == "placeholder" and node in live and anc[node] - reached:
                     return False
         return True
 
