@@ -26,19 +26,15 @@ leave them as it found them:
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import queue
 import socket
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
-
-# How a case and its answer cross between the test's process and its ranks: as bytes, as
-# run_local's ranks return theirs (the queues' own pickler would move each tensor through a
-# shared-memory file and a socket connection to pass its descriptor).
-from functional_fsdp.shell.launch import _from_bytes as from_bytes
-from functional_fsdp.shell.launch import _to_bytes as to_bytes
 
 CASE_TIMEOUT_S = float(os.environ.get("FFSDP_TEST_CASE_TIMEOUT", "180"))
 CHECK_GRACE_S = 5.0  # for the works of a finished case to complete
@@ -100,8 +96,9 @@ def _case(fn: Callable[..., Any], args: tuple) -> Any:
 
 
 def _returnable(result: Any) -> Any:
-    """``result``, after checking it holds no tensor autograd recorded: it would cross to the
-    test's process without its graph, silently, so a case says ``t.detach()`` itself."""
+    """``result``, after checking it can cross to the test's process: a tensor that is not
+    a leaf of autograd's graph cannot be pickled whole (torch refuses a subclass of one), so
+    the case says so by name instead of failing in the pickler."""
     import torch
     from torch.utils._pytree import tree_leaves
 
@@ -112,6 +109,44 @@ def _returnable(result: Any) -> Any:
                 "t.detach() (a result cannot cross to the test's process with its graph)"
             )
     return result
+
+
+class _ByValuePickler(pickle.Pickler):
+    """Pickles a plain CPU tensor as its bytes. The rank queues' own pickler would move each
+    tensor through a new shared-memory file and a socket connection to hand over its file
+    descriptor: for the dozens of small tensors a case returns, most of the cost of a case's
+    answer."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
+            t = obj.detach()
+            if t.layout == torch.strided and t.device.type == "cpu" and not t.is_quantized:
+                t = t.contiguous()
+                data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+                return _tensor_from_bytes, (
+                    data,
+                    t.dtype,
+                    tuple(t.shape),
+                    obj.requires_grad,
+                    type(obj) is torch.nn.Parameter,
+                )
+        return NotImplemented
+
+
+def _tensor_from_bytes(data: bytes, dtype: Any, shape: tuple, grad: bool, param: bool) -> Any:
+    import torch
+
+    flat = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+    t = flat.reshape(shape)
+    return torch.nn.Parameter(t, requires_grad=grad) if param else t.requires_grad_(grad)
+
+
+def _to_bytes(value: Any) -> bytes:
+    buf = io.BytesIO()
+    _ByValuePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buf.getvalue()
 
 
 def _blocked_waits(grace_s: float) -> list[str]:
@@ -236,11 +271,11 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
             if item is None:
                 break
             if item == "check":
-                outbox.put((rank, True, to_bytes(_leftovers())))
+                outbox.put((rank, True, _leftovers()))
                 continue
             try:
-                fn, args = from_bytes(item)
-                outbox.put((rank, True, to_bytes(_case(fn, args))))
+                fn, args = pickle.loads(item)
+                outbox.put((rank, True, _to_bytes(_case(fn, args))))
             except BaseException:
                 outbox.put((rank, False, traceback.format_exc()))
     finally:
@@ -282,7 +317,7 @@ class World:
         if not self._procs:
             self._start()
         try:
-            case = to_bytes((fn, args))
+            case = _to_bytes((fn, args))
             for q in self._inboxes:
                 q.put(case)
             answers = self._collect(timeout, what=fn.__name__)
@@ -341,7 +376,7 @@ class World:
                         f"{what}: timed out after {timeout}s; ranks done: {sorted(answers)}"
                     ) from None
                 continue
-            answers[rank] = (ok, from_bytes(value) if ok else value)
+            answers[rank] = (ok, pickle.loads(value) if ok and isinstance(value, bytes) else value)
             if not ok:
                 break
         return answers
