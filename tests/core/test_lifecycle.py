@@ -394,7 +394,9 @@ def test_every_event_has_a_handler() -> None:
 
 
 def _hunt() -> None:
-    """Run the machine test long enough to find a planted bug (the same search every run)."""
+    """Run the machine test long enough to find a planted bug (the same search every run).
+    Generation only: the test needs the failure, not its smallest form (shrinking took 80 %
+    of the time: 7.4 s against 0.7 s for the three hunts)."""
     run_state_machine_as_test(
         LifecycleMachine,
         settings=settings(
@@ -403,7 +405,7 @@ def _hunt() -> None:
             deadline=None,
             database=None,
             derandomize=True,
-            phases=[hypothesis.Phase.generate, hypothesis.Phase.shrink],
+            phases=[hypothesis.Phase.generate],
             suppress_health_check=list(hypothesis.HealthCheck),
         ),
     )
