@@ -2,7 +2,7 @@
 
 One 4-rank world serves the module. Each case runs ``parallelize_module`` on the tp sub-mesh of
 a ``(dp, tp)`` mesh, then ``fully_shard`` on the dp sub-mesh, with torch's FSDP2 and with ours,
-trains the transformer stack of ``_tp_helpers`` for 5 steps, and compares per-step losses and
+trains the transformer stack of ``_tp_helpers`` for 3 steps, and compares per-step losses and
 the full parameters (``full_tensor()`` of the 2-D ``DTensor`` s); parity is also checked
 against one plain model trained on the global batch.
 """
