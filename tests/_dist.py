@@ -26,9 +26,7 @@ leave them as it found them:
 
 from __future__ import annotations
 
-import io
 import os
-import pickle
 import queue
 import socket
 import time
@@ -111,44 +109,6 @@ def _returnable(result: Any) -> Any:
     return result
 
 
-class _ByValuePickler(pickle.Pickler):
-    """Pickles a plain CPU tensor as its bytes. The rank queues' own pickler would move each
-    tensor through a new shared-memory file and a socket connection to hand over its file
-    descriptor: for the dozens of small tensors a case returns, most of the cost of a case's
-    answer."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        import torch
-
-        if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
-            t = obj.detach()
-            if t.layout == torch.strided and t.device.type == "cpu" and not t.is_quantized:
-                t = t.contiguous()
-                data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-                return _tensor_from_bytes, (
-                    data,
-                    t.dtype,
-                    tuple(t.shape),
-                    obj.requires_grad,
-                    type(obj) is torch.nn.Parameter,
-                )
-        return NotImplemented
-
-
-def _tensor_from_bytes(data: bytes, dtype: Any, shape: tuple, grad: bool, param: bool) -> Any:
-    import torch
-
-    flat = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
-    t = flat.reshape(shape)
-    return torch.nn.Parameter(t, requires_grad=grad) if param else t.requires_grad_(grad)
-
-
-def _to_bytes(value: Any) -> bytes:
-    buf = io.BytesIO()
-    _ByValuePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return buf.getvalue()
-
-
 def _blocked_waits(grace_s: float) -> list[str]:
     """Threads of this process still blocked in ``Work.wait()`` on an incomplete work (after
     ``grace_s`` for them to finish): a wait a case abandoned. gloo's own timeout ends it later
@@ -208,6 +168,20 @@ def _probe(timeout_s: float) -> list[str]:
 def _leftovers() -> list[str]:
     """What the last case left in flight on this rank (nothing in a clean world)."""
     return _blocked_waits(CHECK_GRACE_S) + _probe(PROBE_TIMEOUT_S)
+
+
+def to_bytes(value: Any) -> bytes:
+    """A case or its answer as bytes, as ``run_local`` sends a rank's result
+    (:func:`functional_fsdp.shell.processes.to_bytes`: no file descriptors cross)."""
+    from functional_fsdp.shell.processes import to_bytes as package_to_bytes
+
+    return package_to_bytes(value)
+
+
+def from_bytes(data: bytes) -> Any:
+    from functional_fsdp.shell.processes import from_bytes as package_from_bytes
+
+    return package_from_bytes(data)
 
 
 def rank_context() -> Any:
@@ -274,8 +248,8 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
                 outbox.put((rank, True, _leftovers()))
                 continue
             try:
-                fn, args = pickle.loads(item)
-                outbox.put((rank, True, _to_bytes(_case(fn, args))))
+                fn, args = from_bytes(item)
+                outbox.put((rank, True, to_bytes(_case(fn, args))))
             except BaseException:
                 outbox.put((rank, False, traceback.format_exc()))
     finally:
@@ -317,7 +291,7 @@ class World:
         if not self._procs:
             self._start()
         try:
-            case = _to_bytes((fn, args))
+            case = to_bytes((fn, args))
             for q in self._inboxes:
                 q.put(case)
             answers = self._collect(timeout, what=fn.__name__)
@@ -376,7 +350,7 @@ class World:
                         f"{what}: timed out after {timeout}s; ranks done: {sorted(answers)}"
                     ) from None
                 continue
-            answers[rank] = (ok, pickle.loads(value) if ok and isinstance(value, bytes) else value)
+            answers[rank] = (ok, from_bytes(value) if ok and isinstance(value, bytes) else value)
             if not ok:
                 break
         return answers

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime
-import io
 import os
 import queue
 import socket
@@ -15,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .processes import Parent, rank_context
+from .processes import Parent, from_bytes, rank_context, to_bytes
 
 __all__ = ["launcher_store", "run_local"]
 
@@ -155,7 +154,7 @@ def _launch(
                     failed[-1] = f"timed out after {timeout_s} s"
                 continue
             if ok:
-                done[rank] = _from_bytes(value)
+                done[rank] = from_bytes(value)
             else:
                 failed[rank] = value
     finally:
@@ -214,7 +213,7 @@ def _rank_main(
         out.put((rank, False, traceback.format_exc()))
         return
     try:
-        payload = _to_bytes(fn(*args))
+        payload = to_bytes(fn(*args))
     except BaseException:
         out.put((rank, False, traceback.format_exc()))
     else:
@@ -222,17 +221,3 @@ def _rank_main(
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _to_bytes(value: Any) -> bytes:
-    """``value`` as bytes (``torch.save``: tensors' storages inline, shared ones once), so the
-    queue passes no file descriptors whatever the result holds."""
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
-def _from_bytes(data: bytes) -> Any:
-    """The result a rank serialised with :func:`_to_bytes` (our own child's bytes: trusted,
-    so any picklable object is allowed back)."""
-    return torch.load(io.BytesIO(data), weights_only=False)

@@ -28,12 +28,14 @@ nothing they do not inherit anyway.
 from __future__ import annotations
 
 import contextlib
+import io
 import multiprocessing as mp
 import os
+import pickle
 import sys
 from typing import Any
 
-__all__ = ["Parent", "rank_context"]
+__all__ = ["Parent", "from_bytes", "rank_context", "to_bytes"]
 
 # torch._dynamo: every rank's first DTensor op imports it (FakeTensorMode's sharding
 # propagation, about 1.1 s of CPU): once in the server instead of once in every rank.
@@ -173,3 +175,58 @@ def _apply_process_state(state: dict[str, Any]) -> None:
     with contextlib.suppress(OSError):
         if "affinity" in state and sys.platform.startswith("linux"):
             os.sched_setaffinity(0, state["affinity"])
+
+
+def to_bytes(value: Any) -> bytes:
+    """``value`` as bytes, for a rank's result to cross to its parent through a queue without
+    passing file descriptors (the queues' own pickler moves each tensor through a new
+    shared-memory file and a socket connection).
+
+    ``torch.save`` first: tensors' storages inline, a storage several tensors share once. It
+    refuses tensors that view one storage as different dtypes (a flat buffer's fp32 and bf16
+    views); then each plain CPU tensor is pickled as its own bytes (its dtype, shape,
+    ``requires_grad`` and whether it is a ``Parameter`` kept; shared storage copied once per
+    tensor)."""
+    import torch
+
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+    except RuntimeError:
+        buf = io.BytesIO()
+        _ByValuePickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buf.getvalue()
+
+
+def from_bytes(data: bytes) -> Any:
+    """What :func:`to_bytes` made (our own child's bytes: trusted, so any picklable object is
+    allowed back)."""
+    import torch
+
+    if data[:2] == b"PK":  # torch.save's zip archive; a pickle starts with its protocol
+        return torch.load(io.BytesIO(data), weights_only=False)
+    return pickle.loads(data)
+
+
+class _ByValuePickler(pickle.Pickler):
+    """Pickles a plain CPU tensor as its bytes."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter:
+            t = obj.detach()
+            if t.layout == torch.strided and t.device.type == "cpu" and not t.is_quantized:
+                t = t.contiguous()
+                data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+                param = type(obj) is torch.nn.Parameter
+                return _tensor_from_bytes, (data, t.dtype, tuple(t.shape), obj.requires_grad, param)
+        return NotImplemented
+
+
+def _tensor_from_bytes(data: bytes, dtype: Any, shape: tuple, grad: bool, param: bool) -> Any:
+    import torch
+
+    flat = torch.frombuffer(bytearray(data), dtype=dtype) if data else torch.empty(0, dtype=dtype)
+    t = flat.reshape(shape)
+    return torch.nn.Parameter(t, requires_grad=grad) if param else t.requires_grad_(grad)

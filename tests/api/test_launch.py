@@ -207,6 +207,35 @@ def test_a_result_of_many_tensors_and_a_large_one_comes_back_intact() -> None:
         assert torch.equal(res["big"], torch.arange(big, dtype=torch.float32) + rank)
 
 
+def test_a_result_crosses_as_bytes_whatever_views_it_holds() -> None:
+    """What a rank sends back (``processes.to_bytes``): ``torch.save`` keeps a storage two
+    results share shared; where it refuses (views of one buffer as fp32 and bf16), each tensor
+    crosses by value, its dtype, shape, ``requires_grad`` and ``Parameter``-ness kept."""
+    from functional_fsdp.shell.processes import from_bytes, to_bytes
+
+    flat = torch.arange(8, dtype=torch.float32)
+    shared = from_bytes(to_bytes({"a": flat[:4], "b": flat[4:]}))
+    assert shared["a"].untyped_storage().data_ptr() == shared["b"].untyped_storage().data_ptr()
+    assert torch.equal(torch.cat([shared["a"], shared["b"]]), flat)
+
+    param = torch.nn.Parameter(torch.ones(2, 3))
+    mixed = {
+        "fp32": flat[:4],
+        "bf16": flat[4:].view(torch.bfloat16),
+        "param": param,
+        "grad": torch.zeros(2).requires_grad_(),
+        "empty": torch.empty(0, 5),
+        "strided": torch.arange(12.0).reshape(3, 4).t(),
+    }
+    back = from_bytes(to_bytes(mixed))
+    for name, want in mixed.items():
+        got = back[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(got.detach(), want.detach()), name
+        assert got.requires_grad == want.requires_grad, name
+    assert type(back["param"]) is torch.nn.Parameter
+
+
 def _unpicklable() -> object:
     return lambda: None
 
