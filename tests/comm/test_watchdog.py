@@ -149,13 +149,23 @@ def case_optimizer_step_skipped_on_one_rank() -> dict[str, Any]:
     except CollectiveError as e:
         out["error"] = f"{type(e).__name__}: {e}"
     out["after_s"] = time.monotonic() - start
-    # Neither rank leaves (closing its connections) before both have their error.
+    # Neither rank leaves (closing its connections) before both have their error, and rank 0,
+    # whose process hosts the store, leaves once rank 1 is done with it (rank 1's last poll
+    # once met a store already gone: "Connection reset by peer").
     store = dist.distributed_c10d._get_default_store()
     store.add("named", 1)
-    deadline = time.monotonic() + 30
-    while int(store.add("named", 0)) < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _store_wait(store, "named", 2)
+    if dist.get_rank() == 1:
+        store.add("left", 1)
+    else:
+        _store_wait(store, "left", 1)
     return out
+
+
+def _store_wait(store: Any, key: str, count: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while int(store.add(key, 0)) < count and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def test_an_optimizer_step_skipped_on_one_rank_is_named_on_both() -> None:
