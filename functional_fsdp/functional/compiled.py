@@ -28,9 +28,10 @@ from ..shell import (
     TracedModel,
     TreeReductions,
     agree_on_graphs,
-    any_rank,
+    any_rank_each,
     graph_collectives,
     next_graph_key,
+    unused_locals,
     wrap_like,
 )
 from ._stepping import (
@@ -126,7 +127,11 @@ class CompiledGrads:
         )
         self._compiles = 0
         self._graph_key = next_graph_key()
-        self._unused: frozenset[str] = frozenset()
+        # The parameters no rank's first graph reads (the ranks agree on them), what each graph
+        # this rank compiled never reads, and the graphs that ran in the current step.
+        self._candidates: tuple[str, ...] = ()
+        self._graph_unused: list[frozenset[str]] = []
+        self._ran: set[int] = set()
         self._compiled = torch.compile(forward, backend=self._backend(), fullgraph=True)
 
     def _backend(self) -> Any:
@@ -177,13 +182,17 @@ class CompiledGrads:
                 ) from e
 
         def counted(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+            order = self._order
             if self._compiles == 0:  # every rank compiles its first graph: compare them
-                order = self._order
                 ranks = self._traced.ranks
                 unused = agree_on_graphs(gm, self._graph_key, self.where, ranks, len(order))
-                self._unused = frozenset(order[i] for i in unused)
+                self._candidates = tuple(sorted(order[i] for i in unused))
+            else:  # a guard failed on this rank (maybe on this rank only)
+                unused = unused_locals(gm, len(order)) or frozenset()
+            index = self._compiles
+            self._graph_unused.append(frozenset(order[i] for i in unused))
             self._compiles += 1
-            return inner(gm, example_inputs)
+            return _noting_runs(inner(gm, example_inputs), lambda: self._ran.add(index))
 
         return counted
 
@@ -192,6 +201,7 @@ class CompiledGrads:
     ) -> Accumulated:
         """The step's forward and backward passes over ``grad_accum`` micro-batches."""
         t0 = time.perf_counter()
+        self._ran = set()
         trainable = set(self.trainable)
         leaves = {n: _local(params[n]).detach().requires_grad_(n in trainable) for n in self._order}
         ordered = [leaves[n] for n in self._order]
@@ -242,15 +252,16 @@ class CompiledGrads:
             ) from e
 
     def unused(self) -> frozenset[str]:
-        """The parameters no rank's graph read in the step that just ran: those the ranks'
-        first graphs read nowhere, while every rank still runs its first graph. Every rank
-        calls it after each step; while that set is not empty it all-reduces whether any rank
-        compiled another graph (a guard that failed there only: that graph may read them, and
-        the reduce-scatter then brought its gradient to every rank), and forgets the set for
-        good when one did."""
-        if self._unused and any_rank(self._compiles > 1, self._traced.mesh_dims):
-            self._unused = frozenset()
-        return self._unused
+        """The parameters no rank's graph read in the step that just ran. Only one no rank's
+        first graph reads can be one (the ranks agreed on those when they compiled their first
+        graphs); while there are any, every rank calls this after each step, and it
+        all-reduces, for each, whether a graph that ran on the rank in this step reads it (a
+        graph compiled later, where a guard failed, perhaps on one rank only, may)."""
+        if not self._candidates:
+            return frozenset()
+        here = [any(n not in self._graph_unused[k] for k in self._ran) for n in self._candidates]
+        anywhere = any_rank_each(here, self._traced.mesh_dims)
+        return frozenset(n for n, read in zip(self._candidates, anywhere) if not read)
 
     def report(self) -> CompileReport:
         """What compiling did so far (see :class:`CompileReport`)."""
@@ -265,6 +276,19 @@ class CompiledGrads:
             self.overlap and bool(self._moved),
             tuple(self._moved),
         )
+
+
+def _noting_runs(fn: Any, note: Callable[[], None]) -> Any:
+    """``fn`` (a compiled graph as a backend returns it) calling ``note()`` first whenever it
+    runs. It passes its arguments on as it gets them and carries ``fn``'s attributes (such as
+    ``_boxed_call``), so its caller calls it as it would call ``fn``."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        note()
+        return fn(*args, **kwargs)
+
+    run.__dict__.update(getattr(fn, "__dict__", {}))
+    return run
 
 
 def _collectives(gm: Any) -> dict[str, int]:

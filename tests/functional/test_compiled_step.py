@@ -461,6 +461,7 @@ def _case_parameter_no_rank_uses(uses: str) -> dict[str, Any]:
             "no-rank": False,
             "rank-1": _rank() == 1,
             "rank-1-from-step-1": _rank() == 1 and step >= 1,  # a recompile on rank 1 only
+            "rank-1-at-step-1": _rank() == 1 and step == 1,  # then the first graph again
             "in-place": True,
         }[uses]
 
@@ -493,13 +494,17 @@ def _case_parameter_no_rank_uses(uses: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("uses", ["no-rank", "rank-1", "rank-1-from-step-1", "in-place"])
+@pytest.mark.parametrize(
+    "uses", ["no-rank", "rank-1", "rank-1-from-step-1", "rank-1-at-step-1", "in-place"]
+)
 def test_compile_backward_gives_no_gradient_where_no_rank_used_a_parameter(
     world: World, uses: str
 ) -> None:
     """As loss.backward(): a parameter no rank used gets no gradient (so AdamW's weight decay
     and moments leave it alone); one that some rank used, also only through an in-place write
-    or only in a graph one rank compiled later, gets the reduced gradient on every rank."""
+    or only in a graph one rank compiled later, gets the reduced gradient on every rank, in
+    the steps where it was used (``rank-1-at-step-1``: none again in the third step, whose
+    graphs are the first ones; it got zeros there before each step asked which graphs ran)."""
     for r in world.run(_case_parameter_no_rank_uses, uses):
         assert r["graded"] == r["eager_graded"], r
         assert ("extra.weight" in r["graded"][0]) == (uses in ("rank-1", "in-place")), r

@@ -11,8 +11,10 @@ for every rank of the model's mesh, and raises the same error on every rank whos
 differ, before any collective ran.
 
 With them each rank publishes the parameters its graph never reads (:func:`unused_locals`):
-those no rank reads get no gradient from ``compile_backward``, as from ``loss.backward()``,
-while every rank still runs its first graph (:func:`any_rank` tells, once a step).
+those no rank reads get no gradient from ``compile_backward``, as from ``loss.backward()``.
+A graph compiled later (a guard failed, perhaps on one rank only) may read one: each step
+the ranks all-reduce, per such parameter, whether a graph that ran reads it
+(:func:`any_rank_each`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ import torch.distributed as dist
 from ...core.errors import CollectiveMismatchError, CollectiveTimeoutError
 from ...core.traced import GraphCollective, collectives_difference, unused_everywhere
 
-__all__ = ["agree_on_graphs", "any_rank", "graph_collectives", "next_graph_key", "unused_locals"]
+__all__ = [
+    "agree_on_graphs",
+    "any_rank_each",
+    "graph_collectives",
+    "next_graph_key",
+    "unused_locals",
+]
 
 _KEYS = itertools.count()
 
@@ -244,16 +252,16 @@ def agree_on_graphs(
     return unused_everywhere([t["unused"] for t in theirs.values()])
 
 
-def any_rank(flag: bool, mesh_dims: Sequence[tuple[Any, int]]) -> bool:
-    """Whether ``flag`` holds on any rank of the meshes: a max all-reduce over each
-    ``(mesh, dim)`` in turn (together they reach every rank of a mesh)."""
-    out = torch.tensor([1.0 if flag else 0.0])
+def any_rank_each(flags: Sequence[bool], mesh_dims: Sequence[tuple[Any, int]]) -> list[bool]:
+    """For each of ``flags``, whether it holds on any rank of the meshes: one max all-reduce
+    over each ``(mesh, dim)`` in turn (together they reach every rank of a mesh)."""
+    out = torch.tensor([1.0 if f else 0.0 for f in flags])
     for mesh, dim in mesh_dims:
         if mesh.size(dim) > 1:
             t = out.to(mesh.device_type)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
             out = t.cpu()
-    return bool(out.item() > 0)
+    return [bool(v > 0) for v in out.tolist()]
 
 
 def _sorted(unused: frozenset[int] | None) -> list[int] | None:
