@@ -112,3 +112,25 @@ def test_resized_storage_can_be_advised_again() -> None:
     if _THP:
         aligned = ((lo + _HUGE - 1) & ~(_HUGE - 1), hi & ~(_HUGE - 1))
         assert sum(b - a for a, b in _advised(*aligned)) == aligned[1] - aligned[0]
+
+
+def test_building_groups_starts_no_subprocess(monkeypatch) -> None:
+    """Each group makes an advisor; finding libc once per group ran ``ldconfig`` in a forked
+    subprocess (``ctypes.util.find_library``): a fork of the whole process per ``fully_shard``.
+    The lookup is made once, by libc's soname."""
+    import subprocess
+
+    from functional_fsdp.shell.engine import memory
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"a subprocess was started: {args[:1]}")
+
+    memory._madvise.cache_clear()
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    advisors = [huge_page_advisor() for _ in range(3)]
+    if sys.platform.startswith("linux"):
+        assert memory._madvise() is not None
+        t = torch.empty(3 * _HUGE, dtype=torch.uint8)
+        for advise in advisors:
+            advise(t)  # advice only: no error, no subprocess

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -26,16 +28,14 @@ def huge_page_advisor() -> Callable[[torch.Tensor], None]:
 
     Only the 2 MiB-aligned part of tensors of at least 4 MiB is advised, so nothing is rounded
     up: resident memory still follows the buffer's size.
+
+    One advisor serves the process: looking libc up (``ctypes.util.find_library`` runs
+    ``ldconfig`` in a subprocess, forking this process) once per group cost every
+    ``fully_shard`` a fork.
     """
-    if not sys.platform.startswith("linux"):
+    madvise = _madvise()
+    if madvise is None:
         return _noop
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
-        return _noop
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
 
     def advise(t: torch.Tensor) -> None:
         if t.device.type != "cpu":
@@ -50,6 +50,24 @@ def huge_page_advisor() -> Callable[[torch.Tensor], None]:
             madvise(start, end - start, _MADV_HUGEPAGE)  # advice only: errors are ignored
 
     return advise
+
+
+@functools.cache
+def _madvise() -> Any:
+    """libc's ``madvise`` (argument types set), or None off Linux or where it is not found.
+    Cached: the lookup may start a subprocess."""
+    if not sys.platform.startswith("linux"):
+        return None
+    for name in ("libc.so.6", None):  # glibc's soname first: no ldconfig subprocess
+        try:
+            libc = ctypes.CDLL(name or ctypes.util.find_library("c"), use_errno=True)
+            madvise = libc.madvise
+        except (OSError, AttributeError, TypeError):
+            continue
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        madvise.restype = ctypes.c_int
+        return madvise
+    return None
 
 
 def _noop(t: torch.Tensor) -> None:
