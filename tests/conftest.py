@@ -27,6 +27,10 @@ for _d in [_TESTS, *sorted(p for p in _TESTS.iterdir() if p.is_dir() and p.name[
     if str(_d) not in sys.path:
         sys.path.insert(0, str(_d))
 
+from _dist import lean_gc  # noqa: E402
+
+lean_gc()
+
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.register_profile(
     "ci",
