@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from _dist import shared_mesh
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, LAYERS = 48, 32, 4, 86, 8, 2
-STEPS = 3
+STEPS = 2
 
 
 class Attention(nn.Module):

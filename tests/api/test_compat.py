@@ -15,7 +15,7 @@ from functional_fsdp.core.records import MixedPrecisionPolicy, ParamSpec
 from functional_fsdp.functional.optim import _lerp_copy
 from functional_fsdp.shell.engine.group_common import layout_for
 
-STEPS = 3
+STEPS = 2
 
 
 def test_version_facts_match_this_torch() -> None:

@@ -38,7 +38,7 @@ from functional_fsdp.core.transitions import finish_unshard, shard, unshard
 from functional_fsdp.testing import SimulatedWorld
 
 CFG = dict(vocab=64, dim=16, n_layers=6, n_heads=2, seq=8)
-STEPS = 3
+STEPS = 2
 
 
 # ----------------------------------------------------------------------------- the plan (pure)

@@ -28,7 +28,7 @@ from torch import nn
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 3
+STEPS = 2
 LR = 0.1
 BATCH = 8  # the whole batch; each of the 2 ranks takes its half
 

@@ -20,7 +20,7 @@ from _helpers import Routed
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 3
+STEPS = 2
 
 
 def _uses(who: str, rank: int, ws: int, step: int, micro: int) -> bool:

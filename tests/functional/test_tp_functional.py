@@ -25,7 +25,7 @@ from _tp_helpers import batch, build, full_params, world_mesh
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-STEPS = 3
+STEPS = 2
 LR = 1e-2
 
 

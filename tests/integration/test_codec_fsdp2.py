@@ -9,7 +9,7 @@ from _dist import World
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
-STEPS = 3
+STEPS = 2
 
 
 def _model(int8: bool) -> nn.Module:

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 CFG = LlamaConfig(vocab=64, dim=32, n_layers=2, n_heads=4, hidden=48, seq=8)
-STEPS = 3
+STEPS = 2
 
 
 def _fully_shard(which: str):
