@@ -30,7 +30,9 @@ def world(world2: World) -> World:
 
 class _Tiny(nn.Module):
     """The GPT's structure and batches (token embeddings of 101 rows, two residual blocks, a
-    vocabulary head, ``loss``) with MLP blocks: the cases that test one setting compile it."""
+    vocabulary head, ``loss``) with MLP blocks, which every case compiles: half the ops of
+    the GPT's blocks to trace (a compile 2.5 s of a rank's CPU instead of 4.8 s). The GPT
+    compiled against eager is ``examples/09_compiled_step.py``'s run."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -50,17 +52,15 @@ class _Tiny(nn.Module):
         return nn.functional.cross_entropy(self(idx).reshape(-1, 101), targets.reshape(-1))
 
 
-def _model(tiny: bool = False) -> nn.Module:
-    from functional_fsdp.testing.models import GPT, GPTConfig
-
+def _model() -> nn.Module:
     torch.manual_seed(0)
-    return _Tiny() if tiny else GPT(GPTConfig(vocab=101, dim=32, n_layers=2, n_heads=2, seq=8))
+    return _Tiny()
 
 
-def _small(tiny: bool = False, **kw: Any) -> nn.Module:
+def _small(**kw: Any) -> nn.Module:
     from functional_fsdp import fully_shard
 
-    model = _model(tiny)
+    model = _model()
     for block in model.blocks:
         fully_shard(block, **kw)
     return fully_shard(model, **kw)
@@ -114,7 +114,9 @@ def _diff(a: Any, b: Any) -> float:
 
 def _case_fp32(path: str) -> dict[str, Any]:
     """Compiled against eager (4 steps), against one process on the global batch, and resumed
-    from a checkpoint the eager step wrote."""
+    from a checkpoint the eager step wrote. The GPT's structure with MLP blocks: the GPT itself
+    (attention, padding) compiled against eager is ``examples/09_compiled_step.py``'s run,
+    which the examples' tests assert bit-identical."""
     _fresh_dynamo()
     import torch.distributed.checkpoint as dcp
 
@@ -168,9 +170,9 @@ def test_compiled_step_is_bit_identical_to_the_eager_step_and_resumes_from_its_c
         assert rep.overlap and len(rep.moved_nodes) == 2 and min(rep.moved_nodes) > 0
 
 
-def _reference(steps: int, tiny: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _reference(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """One process, the plain model, the global batch (both ranks'), torch's AdamW."""
-    ref = _model(tiny)
+    ref = _model()
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
     out = []
     for s in range(steps):
@@ -199,7 +201,7 @@ def _case_bf16_hsdp() -> dict[str, Any]:
     def build() -> nn.Module:
         from functional_fsdp import fully_shard
 
-        model = _model(tiny=True)
+        model = _model()
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=False, mp_policy=mp)
         return fully_shard(model, mesh=mesh, mp_policy=mp)
@@ -251,11 +253,9 @@ def _case_reproducible() -> dict[str, Any]:
     for v, accum in ((2, 1), (4, 2)):
         _fresh_dynamo()
         policy = ReproduciblePolicy(v)
-        eager, eager_losses, _ = _train(
-            _small(tiny=True, reproducible=policy), False, 3, grad_accum=accum
-        )
+        eager, eager_losses, _ = _train(_small(reproducible=policy), False, 3, grad_accum=accum)
         compiled, losses, step = _train(
-            _small(tiny=True, reproducible=policy), "aot_eager", 3, grad_accum=accum
+            _small(reproducible=policy), "aot_eager", 3, grad_accum=accum
         )
         out[v] = {
             "params": _diff(compiled.params, eager.params),
@@ -267,7 +267,7 @@ def _case_reproducible() -> dict[str, Any]:
     # 4 micro-batches the 2-rank run's in virtual order) gives the 2-rank run's bits.
     _fresh_dynamo()
     one = shared_mesh((2, 1), ("copies", "dp"))["dp"]
-    alone = _small(tiny=True, reproducible=ReproduciblePolicy(4), mesh=one)
+    alone = _small(reproducible=ReproduciblePolicy(4), mesh=one)
     opt = _functional_opt("adamw")
     step = make_train_step(alone, _loss, opt, compile="aot_eager", grad_accum=4)
     state = init(alone, opt)
@@ -304,7 +304,7 @@ def _case_module_api() -> dict[str, Any]:
 
     out = {}
     for mode in (False, "aot_eager"):
-        model = _small(tiny=True)
+        model = _small()
         model.set_bucket_bytes(0)  # type: ignore[operator]
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
         backward = (
@@ -324,7 +324,7 @@ def _case_module_api() -> dict[str, Any]:
         out[mode] = ({n: p.detach().full_tensor() for n, p in model.named_parameters()}, losses)
         report = None if backward is None else backward.compile_report()  # type: ignore[attr-defined]
     (eager, eager_losses), (compiled, losses) = out[False], out["aot_eager"]
-    _, ref = _reference(3, tiny=True)  # one process, the global batch, the same torch AdamW
+    _, ref = _reference(3)  # one process, the global batch, the same torch AdamW
     return {
         "params": max((eager[n] - compiled[n]).abs().max().item() for n in eager),
         "losses": losses == eager_losses,

@@ -43,7 +43,7 @@ COMMANDS = {
     ),
     "test_int8_all_gather_example_runs": ("06_int8_all_gather.py", "--steps", "2"),
     "test_use_as_fsdp2_example_runs": ("08_use_as_fsdp2.py",),
-    "test_compiled_step_example_runs": ("09_compiled_step.py", "--steps", "3"),
+    "test_compiled_step_example_runs": ("09_compiled_step.py", "--steps", "2"),
 }
 
 
