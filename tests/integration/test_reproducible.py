@@ -361,7 +361,7 @@ def test_misuse_raises_named_errors_on_every_rank(world4: Any) -> None:
 
 def _train_2d(dp: int, reproducible: bool = True) -> dict[str, torch.Tensor]:
     """2-D FSDP x TP at a fixed TP degree of 2: ``dp`` data-parallel ranks (``4 // (2 * dp)``
-    independent copies of the run), ``V = 4`` micro-batches per step, AdamW."""
+    independent copies of the run), ``V = 4`` micro-batches per step, 2 AdamW steps."""
     import _tp_helpers as H
     import torch.distributed as dist
     from torch.distributed.tensor.parallel import parallelize_module
@@ -379,7 +379,7 @@ def _train_2d(dp: int, reproducible: bool = True) -> dict[str, torch.Tensor]:
     fully_shard(model, mesh=world["dp"], **kw)
     opt = H.optimizer(model.parameters())
     mine = list(policy.micro_batches(world["dp"].get_local_rank(), dp))
-    for step in range(3):
+    for step in range(2):
         for k in mine:
             x, y = H.batch(step, k)
             (model.loss(x, y) / len(mine)).backward()
