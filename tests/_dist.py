@@ -209,7 +209,13 @@ def _adopting(parent: Any, target: Callable[..., Any], *args: Any) -> None:
 
 
 # What the cases' ranks import (each once in the server instead of in every rank it starts).
-PRELOAD = ("_dist", "torch.distributed.checkpoint", "functional_fsdp.functional", "torch._dynamo")
+PRELOAD = (
+    "_dist",
+    "torch.distributed.checkpoint",
+    "functional_fsdp.functional",
+    "torch._dynamo",
+    "_warm_compile",
+)
 
 
 def lean_gc() -> None:
