@@ -336,6 +336,16 @@ def test_every_test_module_that_spawns_ranks_is_marked_multiprocess() -> None:
     assert not unmarked, f"add pytestmark = pytest.mark.multiprocess to {unmarked}"
 
 
+def test_the_files_collected_first_exist() -> None:
+    """``conftest.HEAVY_FIRST`` orders the suite by name: a renamed or moved file would drop
+    out of it silently (and finish last again)."""
+    from conftest import HEAVY_FIRST
+
+    tests = ROOT.parent / "tests"
+    missing = [name for name in HEAVY_FIRST if not (tests / name).is_file()]
+    assert not missing, f"tests/conftest.py HEAVY_FIRST names files that do not exist: {missing}"
+
+
 # ------------------------------------------------------------------ who writes a group's state
 
 # A parameter group and its parameters own their state: only their modules assign their
