@@ -17,8 +17,12 @@ def _warm() -> None:
         return torch.nn.functional.linear(x, w).relu().sum()
 
     w = torch.randn(4, 4, requires_grad=True)
-    torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(4, 4), w).backward()
-    torch._dynamo.reset()
+    try:
+        torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(4, 4), w).backward()
+    except Exception:  # a warm-up only: a torch that cannot compile fails in the tests that do
+        pass
+    finally:
+        torch._dynamo.reset()
 
 
 _warm()
