@@ -127,9 +127,8 @@ class CompiledGrads:
         )
         self._compiles = 0
         self._graph_key = next_graph_key()
-        # The parameters no rank's first graph reads (the ranks agree on them), what each graph
-        # this rank compiled never reads, and the graphs that ran in the current step.
-        self._candidates: tuple[str, ...] = ()
+        # What each graph this rank compiled never reads, and the graphs that ran in the
+        # current step.
         self._graph_unused: list[frozenset[str]] = []
         self._ran: set[int] = set()
         self._compiled = torch.compile(forward, backend=self._backend(), fullgraph=True)
@@ -184,11 +183,9 @@ class CompiledGrads:
         def counted(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             order = self._order
             if self._compiles == 0:  # every rank compiles its first graph: compare them
-                ranks = self._traced.ranks
-                unused = agree_on_graphs(gm, self._graph_key, self.where, ranks, len(order))
-                self._candidates = tuple(sorted(order[i] for i in unused))
-            else:  # a guard failed on this rank (maybe on this rank only)
-                unused = unused_locals(gm, len(order)) or frozenset()
+                agree_on_graphs(gm, self._graph_key, self.where, self._traced.ranks, len(order))
+            # Later graphs: a guard failed on this rank (maybe on this rank only).
+            unused = unused_locals(gm, len(order)) or frozenset()
             index = self._compiles
             self._graph_unused.append(frozenset(order[i] for i in unused))
             self._compiles += 1
@@ -252,16 +249,15 @@ class CompiledGrads:
             ) from e
 
     def unused(self) -> frozenset[str]:
-        """The parameters no rank's graph read in the step that just ran. Only one no rank's
-        first graph reads can be one (the ranks agreed on those when they compiled their first
-        graphs); while there are any, every rank calls this after each step, and it
-        all-reduces, for each, whether a graph that ran on the rank in this step reads it (a
-        graph compiled later, where a guard failed, perhaps on one rank only, may)."""
-        if not self._candidates:
-            return frozenset()
-        here = [any(n not in self._graph_unused[k] for k in self._ran) for n in self._candidates]
+        """The trainable parameters no rank's graph read in the step that just ran. Every rank
+        calls this after each step; it all-reduces, for each trainable parameter, whether a
+        graph that ran on the rank in this step reads it (one small all-reduce a step). Which
+        graphs run is each rank's own: a guard that failed on some ranks only compiles a graph
+        there, and a graph compiled later (a branch switched off after the first steps) may
+        not read what the first graphs read, so no rank can skip the question alone."""
+        here = [any(n not in self._graph_unused[k] for k in self._ran) for n in self.trainable]
         anywhere = any_rank_each(here, self._traced.mesh_dims)
-        return frozenset(n for n, read in zip(self._candidates, anywhere) if not read)
+        return frozenset(n for n, read in zip(self.trainable, anywhere) if not read)
 
     def report(self) -> CompileReport:
         """What compiling did so far (see :class:`CompileReport`)."""

@@ -462,6 +462,7 @@ def _case_parameter_no_rank_uses(uses: str) -> dict[str, Any]:
             "rank-1": _rank() == 1,
             "rank-1-from-step-1": _rank() == 1 and step >= 1,  # a recompile on rank 1 only
             "rank-1-at-step-1": _rank() == 1 and step == 1,  # then the first graph again
+            "every-rank-at-step-0": step == 0,  # a branch switched off: a later graph only
             "in-place": True,
         }[uses]
 
@@ -495,7 +496,15 @@ def _case_parameter_no_rank_uses(uses: str) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(
-    "uses", ["no-rank", "rank-1", "rank-1-from-step-1", "rank-1-at-step-1", "in-place"]
+    "uses",
+    [
+        "no-rank",
+        "rank-1",
+        "rank-1-from-step-1",
+        "rank-1-at-step-1",
+        "every-rank-at-step-0",
+        "in-place",
+    ],
 )
 def test_compile_backward_gives_no_gradient_where_no_rank_used_a_parameter(
     world: World, uses: str
@@ -504,10 +513,14 @@ def test_compile_backward_gives_no_gradient_where_no_rank_used_a_parameter(
     and moments leave it alone); one that some rank used, also only through an in-place write
     or only in a graph one rank compiled later, gets the reduced gradient on every rank, in
     the steps where it was used (``rank-1-at-step-1``: none again in the third step, whose
-    graphs are the first ones; it got zeros there before each step asked which graphs ran)."""
+    graphs are the first ones; it got zeros there before each step asked which graphs ran;
+    ``every-rank-at-step-0``: every rank's first graph reads it, the later steps' graphs do
+    not, and it got zeros in them before every parameter was asked about, not only those
+    no first graph reads)."""
     for r in world.run(_case_parameter_no_rank_uses, uses):
         assert r["graded"] == r["eager_graded"], r
-        assert ("extra.weight" in r["graded"][0]) == (uses in ("rank-1", "in-place")), r
+        first = ("rank-1", "every-rank-at-step-0", "in-place")
+        assert ("extra.weight" in r["graded"][0]) == (uses in first), r
         assert r["params"] == 0.0, r
 
 
