@@ -255,6 +255,8 @@ class CompiledGrads:
         graphs run is each rank's own: a guard that failed on some ranks only compiles a graph
         there, and a graph compiled later (a branch switched off after the first steps) may
         not read what the first graphs read, so no rank can skip the question alone."""
+        if not self.trainable:  # the same on every rank: no question to ask
+            return frozenset()
         here = [any(n not in self._graph_unused[k] for k in self._ran) for n in self.trainable]
         anywhere = any_rank_each(here, self._traced.mesh_dims)
         return frozenset(n for n, read in zip(self.trainable, anywhere) if not read)
