@@ -30,7 +30,6 @@ __all__ = [
     "pack_full_grads",
     "pack_shards",
     "traceable_reason",
-    "unused_everywhere",
 ]
 
 # One collective node of a compiled graph: (op, ranks in its group, elements, dtype).
@@ -57,17 +56,6 @@ def collectives_difference(by_rank: dict[int, Sequence[GraphCollective]]) -> str
             f"{_describe(other, k)} on rank {r}"
         )
     return None
-
-
-def unused_everywhere(per_rank: Sequence[Sequence[int] | None]) -> frozenset[int]:
-    """The parameters (indices) no rank uses, from each rank's unused ones (``None``: a rank
-    that could not tell, so every parameter counts as used there)."""
-    out: frozenset[int] | None = None
-    for unused in per_rank:
-        if unused is None:
-            return frozenset()
-        out = frozenset(unused) if out is None else out & frozenset(unused)
-    return out or frozenset()
 
 
 def _describe(seq: Sequence[GraphCollective], k: int) -> str:

@@ -183,8 +183,9 @@ class CompiledGrads:
         def counted(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             order = self._order
             if self._compiles == 0:  # every rank compiles its first graph: compare them
-                agree_on_graphs(gm, self._graph_key, self.where, self._traced.ranks, len(order))
-            # Later graphs: a guard failed on this rank (maybe on this rank only).
+                agree_on_graphs(gm, self._graph_key, self.where, self._traced.ranks)
+            # Every graph, the first and any a guard that failed (maybe on this rank only)
+            # compiled later: what it never reads.
             unused = unused_locals(gm, len(order)) or frozenset()
             index = self._compiles
             self._graph_unused.append(frozenset(order[i] for i in unused))

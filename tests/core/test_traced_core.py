@@ -31,13 +31,3 @@ def test_a_graph_that_ends_early_is_named() -> None:
     assert why is not None
     assert "collective #2 is nothing (its graphs end) on rank 1" in why
     assert "reduce_scatter_tensor of 6784 torch.float32 elements over 2 ranks on rank 3" in why
-
-
-def test_unused_everywhere_is_what_no_rank_uses() -> None:
-    from functional_fsdp.core.traced import unused_everywhere
-
-    assert unused_everywhere([[4, 5], [5], [1, 5]]) == frozenset({5})
-    assert unused_everywhere([[4, 5], []]) == frozenset()
-    # a rank whose graph could not be read counts as using everything
-    assert unused_everywhere([[4, 5], None]) == frozenset()
-    assert unused_everywhere([]) == frozenset()

@@ -10,11 +10,10 @@ first compiled instead: each publishes its collectives to the default store, wai
 for every rank of the model's mesh, and raises the same error on every rank whose graphs
 differ, before any collective ran.
 
-With them each rank publishes the parameters its graph never reads (:func:`unused_locals`):
-those no rank reads get no gradient from ``compile_backward``, as from ``loss.backward()``.
-A graph compiled later (a guard failed, perhaps on one rank only) may read one: each step
-the ranks all-reduce, per such parameter, whether a graph that ran reads it
-(:func:`any_rank_each`).
+Each rank also knows which parameters each of its graphs never reads (:func:`unused_locals`);
+after each step the ranks all-reduce, per trainable parameter, whether a graph that ran reads
+it (:func:`any_rank_each`): those no rank's graph read get no gradient from
+``compile_backward``, as from ``loss.backward()``.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.errors import CollectiveMismatchError, CollectiveTimeoutError
-from ...core.traced import GraphCollective, collectives_difference, unused_everywhere
+from ...core.traced import GraphCollective, collectives_difference
 
 __all__ = [
     "agree_on_graphs",
@@ -206,25 +205,20 @@ def agree_on_graphs(
     key: str,
     where: str,
     ranks: Sequence[int],
-    n_locals: int,
     timeout_s: float = 300.0,
-) -> frozenset[int]:
-    """Publish what this rank's graph ``gm`` does under ``key``: its collectives
-    (:func:`graph_collectives`) and the local shards it never uses (:func:`unused_locals`),
-    and compare with every rank of ``ranks`` (the model's mesh). Return the local shards
-    (indices of ``locals_``) no rank's graph uses: their parameters get no gradient, as
-    ``loss.backward()`` leaves a parameter no rank used without one.
+) -> None:
+    """Publish this rank's graph ``gm``'s collectives (:func:`graph_collectives`) under
+    ``key`` and compare them with every rank of ``ranks`` (the model's mesh).
 
     Raises :class:`CollectiveMismatchError` on every rank, naming the first difference, when
     the ranks' collectives differ; :class:`CollectiveTimeoutError` when a rank did not publish
     within ``timeout_s`` (it failed before compiling, or makes its steps in another order)."""
-    unused = unused_locals(gm, n_locals)
     if not dist.is_initialized() or len(ranks) <= 1:
-        return unused or frozenset()
+        return
     collectives = graph_collectives(gm)
     me = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
-    mine = {"collectives": [list(c) for c in collectives], "unused": _sorted(unused)}
+    mine = {"collectives": [list(c) for c in collectives]}
     store.set(f"{key}/{me}", json.dumps(mine))
     peers = sorted(ranks)
     keys = [f"{key}/{r}" for r in peers]
@@ -249,7 +243,6 @@ def agree_on_graphs(
             "rank (route inside a group, e.g. multiply an unused branch's output by 0), or make "
             "the step without compile (the eager path raises at the first such collective)"
         )
-    return unused_everywhere([t["unused"] for t in theirs.values()])
 
 
 def any_rank_each(flags: Sequence[bool], mesh_dims: Sequence[tuple[Any, int]]) -> list[bool]:
@@ -262,7 +255,3 @@ def any_rank_each(flags: Sequence[bool], mesh_dims: Sequence[tuple[Any, int]]) -
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
             out = t.cpu()
     return [bool(v > 0) for v in out.tolist()]
-
-
-def _sorted(unused: frozenset[int] | None) -> list[int] | None:
-    return None if unused is None else sorted(unused)
