@@ -34,6 +34,9 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+# A case and its answer cross as bytes, as run_local sends a rank's result: no file descriptors.
+from functional_fsdp.shell.processes import from_bytes, to_bytes
+
 CASE_TIMEOUT_S = float(os.environ.get("FFSDP_TEST_CASE_TIMEOUT", "180"))
 CHECK_GRACE_S = 5.0  # for the works of a finished case to complete
 PROBE_TIMEOUT_S = 30.0
@@ -168,20 +171,6 @@ def _probe(timeout_s: float) -> list[str]:
 def _leftovers() -> list[str]:
     """What the last case left in flight on this rank (nothing in a clean world)."""
     return _blocked_waits(CHECK_GRACE_S) + _probe(PROBE_TIMEOUT_S)
-
-
-def to_bytes(value: Any) -> bytes:
-    """A case or its answer as bytes, as ``run_local`` sends a rank's result
-    (:func:`functional_fsdp.shell.processes.to_bytes`: no file descriptors cross)."""
-    from functional_fsdp.shell.processes import to_bytes as package_to_bytes
-
-    return package_to_bytes(value)
-
-
-def from_bytes(data: bytes) -> Any:
-    from functional_fsdp.shell.processes import from_bytes as package_from_bytes
-
-    return package_from_bytes(data)
 
 
 def rank_context() -> Any:

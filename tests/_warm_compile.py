@@ -5,7 +5,9 @@ matcher, jinja2) and sets up once. A rank's first compile took 2.5 s of CPU wher
 of the same function took 0.15 s; the server pays it once for each worker instead of every
 rank that compiles (the compiled-step worlds, ``examples/09``'s ranks, the FSDP2 compile
 parity). It leaves no thread behind to break the server's forks, and no compiled code (the
-cache is reset)."""
+cache is reset). Unlike the package's own server (``shell/processes.py``), this one runs torch
+operations: a few on 4x4 tensors, with one OpenMP thread (``tests/conftest.py`` sets
+``OMP_NUM_THREADS=1`` before the server starts), so no OpenMP pool exists to be forked."""
 
 from __future__ import annotations
 
