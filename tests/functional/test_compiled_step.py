@@ -3,11 +3,11 @@
 Compiled with ``aot_eager`` (AOTAutograd's graphs run op by op, no code generation: inductor
 takes minutes a model on this machine), so the comparison with the eager step is exact: the
 same aten ops in the same order, the all-gathers and reduce-scatters as graph nodes. A compile
-is most of a case's time (a few seconds a rank, about the model's number of ops): the first
-case compiles a 2-block GPT (attention, embeddings, a vocabulary of 101 rows that does not
-split evenly, so padding is traced too); the cases of one setting each (HSDP, the reproducible
-tree, the module API) compile the same structure with MLP blocks (:class:`_Tiny`: the same
-three groups and buckets, half the ops, half the compile).
+is most of a case's time (a few seconds a rank, about the model's number of ops): every case
+compiles the GPT's structure with MLP blocks (:class:`_Tiny`: embeddings and a vocabulary of
+101 rows that does not split evenly, so padding is traced too; the same three groups and
+buckets as the GPT, half the ops, half the compile). The GPT itself, attention included, is
+compiled against eager by ``examples/09_compiled_step.py``, whose test asserts bit-identity.
 """
 
 from __future__ import annotations
