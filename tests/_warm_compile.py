@@ -11,7 +11,11 @@ operations: a few on 4x4 tensors, with one OpenMP thread (``tests/conftest.py`` 
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+IMPORTED_IN = os.getpid()  # the server's, in a rank forked from it (test_launch.py checks)
 
 
 def _warm() -> None:

@@ -46,8 +46,8 @@ def rank_context(extra_preload: tuple[str, ...] = ()) -> Any:
     """The ``multiprocessing`` context to start local ranks from: ``forkserver`` with torch
     and this package preloaded (plus ``extra_preload``, modules the ranks import anyway) where
     available, else ``spawn``. The preload list is set while the server is not yet running
-    (the first rank's start runs it; later lists add nothing); a list the user set is kept,
-    but for ``__main__`` (see the module's docstring)."""
+    and the server started (later lists add nothing); a list the user set is kept, but for
+    ``__main__`` (see the module's docstring)."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
@@ -57,7 +57,30 @@ def rank_context(extra_preload: tuple[str, ...] = ()) -> Any:
     if not server._forkserver_pid:  # not started yet
         have = [m for m in server._preload_modules if m != "__main__"]
         ctx.set_forkserver_preload(have + [m for m in (*PRELOAD, *extra_preload) if m not in have])
+        _start_server_on_this_path()
     return ctx
+
+
+def _start_server_on_this_path() -> None:
+    """Start the fork server now, importing its preload list on the caller's ``sys.path``.
+
+    ``multiprocessing`` hands the server the caller's ``sys.path`` but the server of Python 3.11
+    and 3.12 ignores it: it imports on the interpreter's default path, and a preloaded module
+    found only on a directory the caller added at run time (a script's or a test's folder)
+    fails to import there, silently (``ImportError`` is swallowed). Every rank then imported it
+    again itself. The path goes to the server as ``PYTHONPATH`` for its start only; the ranks
+    take the caller's environment anyway (:class:`Parent`)."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
 
 
 _STREAMS = (1, 2)

@@ -100,6 +100,23 @@ def test_a_module_the_ranks_import_sees_the_callers_environment(
     assert run_local(ffsdp_late_module.seen, 2, timeout_s=120) == ["at import"] * 2
 
 
+def _preloaded(name: str) -> tuple[bool, bool]:
+    import os
+    import sys
+
+    module = sys.modules.get(name)
+    return module is not None, module is not None and os.getpid() != module.IMPORTED_IN
+
+
+def test_the_fork_server_preloads_a_module_found_on_a_path_added_at_run_time() -> None:
+    """The tests' folders join ``sys.path`` at run time (``conftest.py``), and the server of
+    Python 3.11 and 3.12 ignores the path ``multiprocessing`` hands it: every rank imported
+    ``_dist`` and ``_warm_compile`` (the first compile's 600 modules) itself, their preload
+    having failed in silence. ``_warm_compile`` records where it was imported: in the server,
+    before the rank was forked."""
+    assert run_local(_preloaded, 2, "_warm_compile", timeout_s=120) == [(True, True)] * 2
+
+
 def test_spawned_ranks_where_there_is_no_fork_server(
     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:

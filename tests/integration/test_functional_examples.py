@@ -17,7 +17,6 @@ import sys
 from collections.abc import Callable
 
 import pytest
-from _dist import rank_context
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -61,9 +60,6 @@ def example(
         script, *args = COMMANDS[request.node.name]
         # The ranks import the example by this name to find their function (sys.path travels
         # with each rank's start).
-        # The session's fork server, when this starts it, preloads what the tests' ranks do
-        # (``_dist.PRELOAD``: a first compile's modules among them) before the package's list.
-        rank_context()
         monkeypatch.syspath_prepend(str(EXAMPLES))
         module = importlib.import_module(script.removesuffix(".py"))
         monkeypatch.setattr(sys, "argv", [str(EXAMPLES / script), *args])
