@@ -33,9 +33,15 @@ for _d in [_TESTS, *sorted(p for p in _TESTS.iterdir() if p.is_dir() and p.name[
     if str(_d) not in sys.path:
         sys.path.insert(0, str(_d))
 
-from _dist import lean_gc  # noqa: E402
+import multiprocessing  # noqa: E402
+
+from _dist import PRELOAD, lean_gc  # noqa: E402
 
 lean_gc()
+# Whoever starts a test process's fork server (a World, run_local, an example's main()), it
+# preloads what the tests' ranks import (a first compile's modules among them): the package's
+# rank_context keeps a list set before it and adds its own.
+multiprocessing.set_forkserver_preload(list(PRELOAD))
 
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.register_profile(
@@ -99,8 +105,21 @@ HEAVY_FIRST = (
     "integration/test_tensor_parallel.py",
     "recovery/test_recovery.py",
     "engine/test_tied_weights.py",
+    "engine/test_local_step.py",
     "io/test_tp_checkpoint.py",
+    "integration/test_reproducible.py",
+    "engine/test_coalesce.py",
+    "api/test_launch.py",
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the collection order when handing out files: pytest-xdist (3.6 and later) hands
+    them out by number of tests, most first (``--loadscope-reorder``, its default), which
+    started the workers on the many quick cases of ``test_records.py`` and
+    ``test_architecture.py`` and left :data:`HEAVY_FIRST` to wherever its files' counts fell."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
