@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _dist import shared_mesh
+from _full import full_tensors
 
 from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch
 
@@ -118,12 +119,8 @@ def _train(
 
 
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for n, p in model.named_parameters():
-        out[n.replace("._checkpoint_wrapped_module", "")] = (
-            p.full_tensor() if hasattr(p, "full_tensor") else p
-        ).detach()
-    return out
+    full = full_tensors(dict(model.named_parameters()))
+    return {n.replace("._checkpoint_wrapped_module", ""): p.detach() for n, p in full.items()}
 
 
 def _max_abs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from _full import full_tensors
 
 TOL = 1e-5
 
@@ -52,12 +53,14 @@ def _full(t: Any) -> torch.Tensor:
 
 def _max_rel(got: dict[str, Any], want: dict[str, Any]) -> float:
     assert set(got) == set(want)
-    return max(_rel(_full(got[k]).detach(), _full(want[k]).detach()) for k in want)
+    got, want = full_tensors(got), full_tensors(want)
+    return max(_rel(got[k].detach(), want[k].detach()) for k in want)
 
 
 def _max_norm_rel(got: dict[str, Any], want: dict[str, Any]) -> float:
     """Largest ``|a - b| / |b|`` in the 2-norm over the parameters."""
-    return max(((_full(got[k]) - want[k]).norm() / want[k].norm()).item() for k in want)
+    got = full_tensors(got)
+    return max(((got[k] - want[k]).norm() / want[k].norm()).item() for k in want)
 
 
 def _rank() -> int:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _dist import shared_mesh
+from _full import full_tensors
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, LAYERS = 48, 32, 4, 86, 8, 2
 STEPS = 2
@@ -222,12 +223,11 @@ def train(
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for n, p in model.named_parameters():
-        key = n.replace("_checkpoint_wrapped_module.", "")
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[key] = t.detach().float().clone()
-    return out
+    full = full_tensors(dict(model.named_parameters()))
+    return {
+        n.replace("_checkpoint_wrapped_module.", ""): p.detach().float().clone()
+        for n, p in full.items()
+    }
 
 
 def max_abs(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn as nn
 from _dist import World
+from _full import full_list
 from _functional_helpers import (
     TOL,
     _batch,
     _build,
-    _full,
     _functional_opt,
     _functional_train,
     _loss,
@@ -204,10 +204,19 @@ def test_reshard_after_forward_settings_equal_fully_shard(world: World, raf: boo
 # ------------------------------------------------------------------------------ purity, donation
 
 
+def _equal(a: Any, b: Any) -> bool:
+    """Every leaf of ``a`` equals ``b``'s, in full (one gather each, on every rank)."""
+    from functional_fsdp.core._tree import tree_leaves
+
+    return all(
+        torch.equal(x, y) for x, y in zip(full_list(tree_leaves(a)), full_list(tree_leaves(b)))
+    )
+
+
 def _snapshot(state: Any) -> list[torch.Tensor]:
     from functional_fsdp.core._tree import tree_leaves
 
-    return [_full(t).detach().clone() for t in tree_leaves(state)]
+    return [t.detach().clone() for t in full_list(tree_leaves(state))]
 
 
 def _case_step_is_pure(kw: dict[str, Any]) -> bool:
@@ -224,19 +233,17 @@ def _case_step_is_pure(kw: dict[str, Any]) -> bool:
     before = _snapshot(state)
     ids = [id(t) for t in tree_leaves(state)]
     new, _ = step(state, _batch(1, _rank(), n))
-    after = [_full(t) for t in tree_leaves(state)]
+    after = full_list(tree_leaves(state))
     assert [id(t) for t in tree_leaves(state)] == ids
     assert all(torch.equal(a, b) for a, b in zip(after, before)), "the input state changed"
     assert state.step.item() == 1 and new.step.item() == 2
     assert not any(
-        _full(a).equal(b)
-        for a, b in zip([new.params[k] for k in state.params], before[: len(state.params)])
+        a.equal(b)
+        for a, b in zip(full_list(new.params[k] for k in state.params), before[: len(state.params)])
     )
     # Same input, same output: the step is a function of (state, batch).
     again, _ = step(state, _batch(1, _rank(), n))
-    return all(
-        torch.equal(_full(a), _full(b)) for a, b in zip(tree_leaves(again), tree_leaves(new))
-    )
+    return _equal(again, new)
 
 
 @pytest.mark.parametrize("kw", [{}, {"grad_accum": 2, "clip": True}], ids=["plain", "accum-clip"])
@@ -245,7 +252,6 @@ def test_step_is_pure(world: World, kw: dict[str, Any]) -> None:
 
 
 def _case_donate() -> dict[str, Any]:
-    from functional_fsdp.core._tree import tree_leaves
     from functional_fsdp.functional import init, make_train_step
 
     model = _build()
@@ -258,7 +264,7 @@ def _case_donate() -> dict[str, Any]:
         ptrs = [t._local_tensor.data_ptr() for t in b.params.values()]
         b, _ = donating(b, _batch(s, _rank()))
         reused = all(t._local_tensor.data_ptr() == p for t, p in zip(b.params.values(), ptrs))
-    same = all(torch.equal(_full(x), _full(y)) for x, y in zip(tree_leaves(a), tree_leaves(b)))
+    same = _equal(a, b)
     return {"same": same, "reused": reused}
 
 
@@ -388,7 +394,6 @@ def test_apply_to_module_writes_back_into_the_shards(world: World) -> None:
 def _case_checkpoint(path: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
-    from functional_fsdp.core._tree import tree_leaves
     from functional_fsdp.functional import from_state_dict, init, make_train_step, to_state_dict
 
     model = _build()
@@ -403,23 +408,17 @@ def _case_checkpoint(path: str) -> dict[str, Any]:
     sd = to_state_dict(template)
     dcp.load(sd, checkpoint_id=path)
     loaded = from_state_dict(template, sd)
-    equal = all(
-        torch.equal(_full(a), _full(b)) for a, b in zip(tree_leaves(loaded), tree_leaves(state))
-    )
+    equal = _equal(loaded, state)
     # The library's safe loader (restricted unpickling) reads the same checkpoint.
     from functional_fsdp import load_checkpoint
 
     sd_safe = to_state_dict(init(_build(seed=2), opt))
     load_checkpoint(sd_safe, path)
     safe = from_state_dict(template, sd_safe)
-    equal = equal and all(
-        torch.equal(_full(a), _full(b)) for a, b in zip(tree_leaves(safe), tree_leaves(state))
-    )
+    equal = _equal(safe, state) and equal
     next_a, _ = step(state, _batch(2, _rank()))
     next_b, _ = step(loaded, _batch(2, _rank()))
-    resumed = all(
-        torch.equal(_full(a), _full(b)) for a, b in zip(tree_leaves(next_a), tree_leaves(next_b))
-    )
+    resumed = _equal(next_a, next_b)
     return {"equal": equal, "resumed": resumed, "keys": sorted(sd)[:2], "step": loaded.step.item()}
 
 

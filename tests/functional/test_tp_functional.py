@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from _full import full_tensors
 from _tp_helpers import batch, build, full_params, world_mesh
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -29,13 +30,10 @@ STEPS = 2
 LR = 1e-2
 
 
-def _full(t: Any) -> torch.Tensor:
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
-
-
 def _diff(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
     assert set(got) == set(want), (sorted(got), sorted(want))
-    return [k for k in want if not torch.equal(_full(got[k]), _full(want[k]))]
+    got, want = full_tensors(got), full_tensors(want)
+    return [k for k in want if not torch.equal(got[k], want[k])]
 
 
 def _loss(model: nn.Module, b: Any) -> torch.Tensor:
@@ -134,7 +132,7 @@ def case_norms() -> dict:
             if which == "torch" and sp:
                 out["clip"] = _clip_norm(model)
         ours = grads["ours"]
-        full = torch.stack([torch.linalg.vector_norm(_full(g)) for g in ours.values()])
+        full = torch.stack([torch.linalg.vector_norm(g) for g in full_tensors(ours).values()])
         out[f"sp={sp}"] = {
             "ours": global_norm(ours).item(),
             "torch_grads": global_norm(grads["torch"]).item(),
@@ -158,7 +156,7 @@ def case_train_step() -> dict:
         state, metrics = step(state, batch(s, mesh["dp"].get_local_rank()))
         losses.append(metrics["loss"].item())
         norms.append(metrics["grad_norm"].item())
-    params = {n: _full(p) for n, p in state.params.items()}
+    params = {n: p.clone() for n, p in full_tensors(state.params).items()}
     out: dict[str, Any] = {"functional": losses, "norms": norms}
     for which in ("ours", "torch"):
         m = build(which, mesh)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from _full import full_tensors
 from _tp_helpers import batch, build, reference_model, tp_plan, train, world_mesh
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -56,11 +57,7 @@ def saved(world4, tmp_path_factory) -> tuple[str, dict]:
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     """Global tensors of every parameter (``full_tensor()`` of DTensors)."""
-    out = {}
-    for n, p in model.named_parameters():
-        t = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[n] = t.detach().clone()
-    return out
+    return {n: t.detach().clone() for n, t in full_tensors(dict(model.named_parameters())).items()}
 
 
 def _diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
@@ -73,11 +70,8 @@ def _full_optim(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch
     """AdamW state as global tensors, keyed ``fqn/exp_avg`` (no param_groups)."""
     msd, osd = get_state_dict(model, opt)
     del msd
-    out = {}
-    for fqn, st in osd["state"].items():
-        for k, v in st.items():
-            out[f"{fqn}/{k}"] = (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
-    return out
+    flat = {f"{fqn}/{k}": v for fqn, st in osd["state"].items() for k, v in st.items()}
+    return {k: v.clone() for k, v in full_tensors(flat).items()}
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:
