@@ -1,34 +1,37 @@
-"""Imported by the test ranks' fork server (``_dist.PRELOAD``): one small ``aot_eager``
-compile, so every rank forked from the server starts with what a process's first compile
-loads (about 600 modules: AOTAutograd, the partitioners' networkx, inductor's pattern
-matcher, jinja2) and sets up once. A rank's first compile took 2.5 s of CPU where later ones
-of the same function took 0.15 s; the server pays it once for each worker instead of every
-rank that compiles (the compiled-step worlds, ``examples/09``'s ranks, the FSDP2 compile
-parity). It leaves no thread behind to break the server's forks, and no compiled code (the
-cache is reset). Unlike the package's own server (``shell/processes.py``), this one runs torch
-operations: a few on 4x4 tensors, with one OpenMP thread (``tests/conftest.py`` sets
-``OMP_NUM_THREADS=1`` before the server starts), so no OpenMP pool exists to be forked."""
+"""Imported by the test ranks' fork server (``_dist.PRELOAD``): the modules a process's first
+``aot_eager`` compile loads (about 580: AOTAutograd, the partitioners' networkx, inductor's
+pattern matcher, torch.export), so every rank forked from the server starts with them. A rank's
+first compile took 1.8 s of CPU where one after these imports takes 0.2 s; the server pays the
+imports once for each worker instead of every rank that compiles (the compiled-step worlds,
+``examples/09``'s ranks, the FSDP2 compile parity).
+
+Imports only, no compile: tracing a graph for training starts autograd's engine, which in a
+CUDA build of torch (2.15's default wheel, even on a machine without a GPU) starts 8 device
+threads (``pt_autograd_*``) in the server; a rank forked from it then refuses every backward
+("autograd's threading in combination with fork-based multiprocessing") or hangs. An import
+starts no thread (checked on 2.13's CPU build and 2.15's CUDA build)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
-
-import torch
 
 IMPORTED_IN = os.getpid()  # the server's, in a rank forked from it (test_launch.py checks)
 
+_FIRST_COMPILE = (
+    "torch._dynamo.backends.common",
+    "torch._functorch.aot_autograd",
+    "torch._functorch.partitioners",
+    "torch._inductor.pattern_matcher",
+    "torch._inductor.debug",
+    "functorch.compile",
+    "networkx",
+    "torch.export",
+    "torch.distributed.tensor.experimental",
+)
 
-def _warm() -> None:
-    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, w).relu().sum()
-
-    w = torch.randn(4, 4, requires_grad=True)
-    try:
-        torch.compile(f, backend="aot_eager", fullgraph=True)(torch.randn(4, 4), w).backward()
-    except Exception:  # a warm-up only: a torch that cannot compile fails in the tests that do
-        pass
-    finally:
-        torch._dynamo.reset()
-
-
-_warm()
+for _name in _FIRST_COMPILE:
+    # A torch without one of them: the tests that compile say what is wrong.
+    with contextlib.suppress(ImportError):
+        importlib.import_module(_name)
