@@ -161,8 +161,8 @@ def test_relative_imports_resolve() -> None:
     )
 
 
-_PURE_IMPORT = r"""
-import sys, torch
+_FRESH_IMPORTS = r"""
+import json, sys, torch
 base = set(sys.modules)
 import functional_fsdp
 import functional_fsdp.core, functional_fsdp.core.layout, functional_fsdp.core.records
@@ -171,47 +171,49 @@ import functional_fsdp.core.tensor_parallel, functional_fsdp.testing
 import functional_fsdp.core.coalesce, functional_fsdp.core.lifecycle
 added = set(sys.modules) - base
 bad = ("torch.distributed", "torch.cuda", "functional_fsdp.shell", "functional_fsdp.functional")
-print(sorted(m for m in added if m.startswith(bad)))
+out = {"core": sorted(m for m in added if m.startswith(bad))}
+import functional_fsdp.functional.optim, functional_fsdp.functional.transforms
+import functional_fsdp.functional.schedules, functional_fsdp.functional.hyperparams
+from functional_fsdp.functional import adamw, chain, clip_by_global_norm
+out["optimizer_half"] = sorted(m for m in sys.modules if m.startswith("functional_fsdp.shell"))
+from functional_fsdp.functional import make_train_step
+out["step_half"] = "functional_fsdp.shell" in sys.modules
+out["fully_shard_before"] = "functional_fsdp.shell.api.fully_shard" in sys.modules
 from functional_fsdp import fully_shard  # the lazy top level still offers the shell
-print("functional_fsdp.shell.api.fully_shard" in sys.modules)
+out["fully_shard_after"] = "functional_fsdp.shell.api.fully_shard" in sys.modules
+print(json.dumps(out))
 """
 
 
-def test_importing_the_core_loads_no_shell_in_a_fresh_process() -> None:
-    """What a user sees: importing the core adds no shell, functional API or torch.distributed
-    module beyond those ``import torch`` itself loads (checked in a fresh interpreter)."""
+@pytest.fixture(scope="module")
+def fresh_imports() -> dict[str, object]:
+    """What a fresh interpreter loads as it imports, in turn, the core, the functional
+    optimizer half, the step half and the top level's ``fully_shard`` (one interpreter for
+    the two tests below: each start imports torch, about 3 core-seconds)."""
+    import json
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, "-c", _PURE_IMPORT], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", _FRESH_IMPORTS], capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stderr
-    loaded, shell_after = out.stdout.split("\n")[:2]
-    assert loaded == "[]", f"importing the core loaded {loaded}"
-    assert shell_after == "True"
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_the_functional_optimizer_half_loads_no_shell() -> None:
+def test_importing_the_core_loads_no_shell_in_a_fresh_process(fresh_imports: dict) -> None:
+    """What a user sees: importing the core adds no shell, functional API or torch.distributed
+    module beyond those ``import torch`` itself loads (checked in a fresh interpreter)."""
+    assert fresh_imports["core"] == [], f"importing the core loaded {fresh_imports['core']}"
+    assert not fresh_imports["fully_shard_before"] and fresh_imports["fully_shard_after"]
+
+
+def test_the_functional_optimizer_half_loads_no_shell(fresh_imports: dict) -> None:
     """``functional/``'s optimizers, transforms and schedules are shell-free: importing them in
     a fresh interpreter loads no ``functional_fsdp.shell`` module (the step half does)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\n"
-        "import functional_fsdp.functional.optim, functional_fsdp.functional.transforms\n"
-        "import functional_fsdp.functional.schedules, functional_fsdp.functional.hyperparams\n"
-        "from functional_fsdp.functional import adamw, chain, clip_by_global_norm\n"
-        "print(sorted(m for m in sys.modules if m.startswith('functional_fsdp.shell')))\n"
-        "from functional_fsdp.functional import make_train_step\n"
-        "print('functional_fsdp.shell' in sys.modules)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    loaded, shell_after = out.stdout.split("\n")[:2]
-    assert loaded == "[]", f"the optimizer half loaded {loaded}"
-    assert shell_after == "True"
+    loaded = fresh_imports["optimizer_half"]
+    assert loaded == [], f"the optimizer half loaded {loaded}"
+    assert fresh_imports["step_half"]
 
 
 def _module_level_imports(path: Path, module: str) -> set[str]:
