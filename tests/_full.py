@@ -80,9 +80,8 @@ def full_tensors(tensors: Mapping[Any, Any]) -> dict[Any, Any]:
             t.to_local().detach().contiguous().reshape(-1).view(torch.uint8) for _, t, _ in pieces
         ]
         buf = torch.zeros(max(lengths), dtype=torch.uint8)
-        if mine:
-            flat = torch.cat(mine)
-            buf[: flat.numel()] = flat
+        flat = torch.cat(mine)
+        buf[: flat.numel()] = flat
         everyone = [torch.empty_like(buf) for _ in range(world)]
         dist.all_gather(everyone, buf)
         full = {k: torch.empty(t.shape, dtype=t.dtype) for k, t, _ in pieces}
@@ -103,3 +102,8 @@ def full_tensors(tensors: Mapping[Any, Any]) -> dict[Any, Any]:
 def full_list(tensors: Iterable[Any]) -> list[Any]:
     """:func:`full_tensors` of a sequence (a state's leaves, say), in its order."""
     return list(full_tensors(dict(enumerate(tensors))).values())
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, Any]:
+    """:func:`full_tensors` of ``model``'s named parameters."""
+    return full_tensors(dict(model.named_parameters()))

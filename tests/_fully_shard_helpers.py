@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _dist import shared_mesh
-from _full import full_tensors
+from _full import full_parameters
 
 from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch
 
@@ -119,7 +119,7 @@ def _train(
 
 
 def _full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    full = full_tensors(dict(model.named_parameters()))
+    full = full_parameters(model)
     return {n.replace("._checkpoint_wrapped_module", ""): p.detach() for n, p in full.items()}
 
 

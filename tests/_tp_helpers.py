@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _dist import shared_mesh
-from _full import full_tensors
+from _full import full_parameters
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, LAYERS = 48, 32, 4, 86, 8, 2
 STEPS = 2
@@ -223,7 +223,7 @@ def train(
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    full = full_tensors(dict(model.named_parameters()))
+    full = full_parameters(model)
     return {
         n.replace("_checkpoint_wrapped_module.", ""): p.detach().float().clone()
         for n, p in full.items()

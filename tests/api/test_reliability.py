@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from _dist import World
-from _full import full_tensors
+from _full import full_parameters
 
 import functional_fsdp
 from functional_fsdp import MixedPrecisionPolicy, fully_shard, shard
@@ -61,7 +61,7 @@ def _sharded(seed: int) -> nn.Module:
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.clone() for n, p in full_tensors(dict(model.named_parameters())).items()}
+    return {n: p.clone() for n, p in full_parameters(model).items()}
 
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:

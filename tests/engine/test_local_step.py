@@ -2,10 +2,10 @@
 
 Every allowlisted elementwise optimizer gives the same parameters and the same ``DTensor``
 state as torch's FSDP2 (whose parameters keep the ``DTensor`` path in the same process), bit
-for bit, and so does each recipe against our own ``DTensor`` path
-(``set_local_optimizer_step(False)``) too, while dispatching no ``DTensor`` op in its step; the cases where the swap could be
-seen (a per-optimizer hook, a closure) take the ``DTensor`` path, and a step that raises leaves
-nothing swapped behind.
+for bit, and each recipe also those of our own ``DTensor`` path
+(``set_local_optimizer_step(False)``), while dispatching no ``DTensor`` op in its step; the
+cases where the swap could be seen (a per-optimizer hook, a closure) take the ``DTensor``
+path, and a step that raises leaves nothing swapped behind.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import shared_mesh
-from _full import full_tensors
+from _full import full_parameters
 from _helpers import Routed, full_named
 from torch.nn.utils import clip_grad_norm_ as _EARLY_TORCH_CLIP
 
@@ -386,7 +386,7 @@ def _train_2d(dp: int, reproducible: bool = True) -> dict[str, torch.Tensor]:
             (model.loss(x, y) / len(mine)).backward()
         opt.step()
         opt.zero_grad()
-    return full_tensors(dict(model.named_parameters()))
+    return full_parameters(model)
 
 
 def test_2d_at_a_fixed_tp_degree_gives_the_same_bits_on_one_and_two_dp_ranks(

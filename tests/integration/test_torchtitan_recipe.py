@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from _dist import World
-from _full import full_tensors
+from _full import full_parameters
 from _llama import Llama, LlamaConfig, loss_fn, tokens
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -63,7 +63,7 @@ def _train(model: Llama, opt: torch.optim.Optimizer, steps: range) -> list[float
 
 
 def _full(model: Llama) -> dict[str, torch.Tensor]:
-    return {n: p.clone() for n, p in full_tensors(dict(model.named_parameters())).items()}
+    return {n: p.clone() for n, p in full_parameters(model).items()}
 
 
 def _optimizer(model: Llama) -> torch.optim.Optimizer:

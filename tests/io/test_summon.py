@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from _dist import World
-from _full import full_tensors
+from _full import full_parameters
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -120,7 +120,7 @@ def _assert_sharded_and_consistent(
 
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
-    return full_tensors(dict(model.named_parameters()))
+    return full_parameters(model)
 
 
 def _edit(model: nn.Module) -> None:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from _full import full_tensors
+from _full import full_parameters, full_tensors
 from _tp_helpers import batch, build, reference_model, tp_plan, train, world_mesh
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -57,7 +57,7 @@ def saved(world4, tmp_path_factory) -> tuple[str, dict]:
 
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     """Global tensors of every parameter (``full_tensor()`` of DTensors)."""
-    return {n: t.detach().clone() for n, t in full_tensors(dict(model.named_parameters())).items()}
+    return {n: t.detach().clone() for n, t in full_parameters(model).items()}
 
 
 def _diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
