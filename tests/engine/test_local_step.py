@@ -5,7 +5,8 @@ state as torch's FSDP2 (whose parameters keep the ``DTensor`` path in the same p
 for bit, and each recipe also those of our own ``DTensor`` path
 (``set_local_optimizer_step(False)``), while dispatching no ``DTensor`` op in its step; the
 cases where the swap could be seen (a per-optimizer hook, a closure) take the ``DTensor``
-path, and a step that raises leaves nothing swapped behind.
+path, and a step that raises leaves nothing swapped behind, and a first group that registers a
+step hook of its own keeps the local step.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from functional_fsdp.testing.models import synthetic_batch
+from functional_fsdp.testing.models import GPT, synthetic_batch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -384,3 +385,86 @@ def test_closure_and_a_raising_step_leave_nothing_swapped(world2: World) -> None
     for res in world2.run(case_closure_and_raising_step):
         assert res["raised"] and res["left_swapped"], res
         assert res["restored"] and res["equal"] and res["same_state"], res
+
+
+@contextlib.contextmanager
+def _fresh_step_hooks() -> Iterator[None]:
+    """This rank's optimizer step hooks as in a process that never ran ``fully_shard`` (torch's
+    global tables empty, the package's handles unset); everything restored after."""
+    import torch.optim.optimizer as optimizer_module
+
+    from functional_fsdp.shell.api import replaced
+    from functional_fsdp.shell.engine import local_step, optimizer_access, reproducible
+
+    tables = (
+        optimizer_module._global_optimizer_pre_hooks,
+        optimizer_module._global_optimizer_post_hooks,
+    )
+    lists = (local_step._HANDLES, reproducible._STEP_CHECK, optimizer_access._HANDLE)
+    lists += (replaced._HANDLE,)
+    saved = [dict(t) for t in tables], [list(x) for x in lists]
+    for t in tables:
+        t.clear()
+    for x in lists:
+        x.clear()
+    try:
+        yield
+    finally:
+        for t, was in zip(tables, saved[0]):
+            t.clear()
+            t.update(was)
+        for x, had in zip(lists, saved[1]):
+            x[:] = had
+
+
+def case_first_group_reproducible() -> dict:
+    """The first ``fully_shard`` of a process builds a group under ``ReproduciblePolicy``,
+    whose step count is a global optimizer post-hook: the steady steps still run on the local
+    shards."""
+    from functional_fsdp import ReproduciblePolicy
+
+    with _fresh_step_hooks():
+        from functional_fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        for block in model.blocks:
+            fully_shard(block, reproducible=ReproduciblePolicy(2))
+        fully_shard(model, reproducible=ReproduciblePolicy(2))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ops = []
+        for s in range(2):
+            x, y = synthetic_batch(CFG, 2, seed=1000 * s + dist.get_rank())
+            model.loss(x, y).backward()
+            with _CountDTensorOps() as counter:
+                opt.step()
+            ops.append(counter.count)
+            opt.zero_grad()
+        hooks = [h.__name__ for h in _step_hooks()]
+    return {"ops": ops, "hooks": hooks}
+
+
+def _step_hooks() -> list:
+    """torch's global optimizer step hooks, pre then post."""
+    import torch.optim.optimizer as optimizer_module
+
+    return [
+        *optimizer_module._global_optimizer_pre_hooks.values(),
+        *optimizer_module._global_optimizer_post_hooks.values(),
+    ]
+
+
+def test_a_first_group_with_its_own_step_hook_keeps_the_local_step(world2: World) -> None:
+    """A group registers a global post-hook of its own (``ReproduciblePolicy``'s step count, a
+    checking runtime's access report): it used to be built before ``fully_shard`` installed
+    the swap's hooks, so in a process whose first group did so every later optimizer step took
+    the ``DTensor`` path (the swap allows no post-hook before its own restore)."""
+    for res in world2.run(case_first_group_reproducible):
+        assert res["ops"][1:] == [0], res
+        assert res["hooks"] == [
+            "check_replaced_params",
+            "_to_local",
+            "check_no_partial_trees",
+            "_to_dtensor",
+            "steps_taken",
+        ], res

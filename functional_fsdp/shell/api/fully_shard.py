@@ -109,7 +109,7 @@ def fully_shard(
     """
     _validate_bucket_bytes(bucket_bytes)
     modules = _modules(module)
-    explain_forward_ad_on_dtensor()
+    _install_process_hooks()
     mp = MixedPrecisionPolicy.coerce(mp_policy)
     offload = OffloadPolicy.coerce(offload_policy)
     mesh, spmd_mesh, dp_names = _meshes(mesh, dp_mesh_dims, modules)
@@ -197,6 +197,17 @@ def _modules(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     return modules
 
 
+def _install_process_hooks() -> None:
+    """What the first ``fully_shard`` of a process installs in torch (each idempotent):
+    ``DTensor``'s named refusal of forward-mode AD, and the optimizer's global step hooks, the
+    check for replaced parameters (replaced.py) then the local-shard step (local_step.py),
+    before any group is built: a group registers post-hooks of its own (ReproduciblePolicy's
+    step count, a checking runtime's access report), which must run after the swap's restore
+    (a post-hook before it keeps every step of the process on the ``DTensor`` path)."""
+    explain_forward_ad_on_dtensor()
+    local_step.install(check_no_partial_trees, replaced.install())
+
+
 def _attach(
     modules: list[nn.Module],
     group: ParamGroup | None,
@@ -207,9 +218,7 @@ def _attach(
 ) -> FSDPState:
     """Give each module its FSDP state, forward hooks, state-dict hooks and FSDP class, and
     the parameters of other groups it uses (``borrowed``, tied across groups); the first
-    module's state. The first call installs the optimizer's step hooks: the check for
-    replaced parameters (replaced.py), then the local-shard step (local_step.py)."""
-    local_step.install(check_no_partial_trees, replaced.install())
+    module's state."""
     state = FSDPState(modules[0], group, mp, name)
     state.user_reshard_after_forward = reshard_after_forward
     for i, m in enumerate(modules):
