@@ -17,6 +17,8 @@ codec. Pure: no communication.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 
 import torch
@@ -26,6 +28,7 @@ from .records import GroupLayout
 __all__ = [
     "GraphCollective",
     "collectives_difference",
+    "collectives_digest",
     "full_params",
     "pack_full_grads",
     "pack_shards",
@@ -56,6 +59,13 @@ def collectives_difference(by_rank: dict[int, Sequence[GraphCollective]]) -> str
             f"{_describe(other, k)} on rank {r}"
         )
     return None
+
+
+def collectives_digest(collectives: Sequence[GraphCollective]) -> int:
+    """A 52-bit digest of a graph's collectives (exact in a ``float64``, so the ranks can
+    compare digests with one max all-reduce): equal lists give equal digests."""
+    text = json.dumps([list(c) for c in collectives], separators=(",", ":"))
+    return int(hashlib.sha256(text.encode()).hexdigest()[:13], 16)
 
 
 def _describe(seq: Sequence[GraphCollective], k: int) -> str:

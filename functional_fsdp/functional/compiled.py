@@ -21,13 +21,13 @@ import attrs
 import torch
 import torch.nn as nn
 
-from ..core.errors import ArgumentTypeError, CollectiveError, UnsupportedError
+from ..core.errors import ArgumentTypeError, UnsupportedError
 from ..core.overlap import GraphNode, NodeKind, overlap_order
 from ..core.reproducible import ReproduciblePolicy
 from ..shell import (
     TracedModel,
     TreeReductions,
-    agree_on_graphs,
+    agree_on_run,
     any_rank_each,
     graph_collectives,
     next_graph_key,
@@ -127,8 +127,10 @@ class CompiledGrads:
         )
         self._compiles = 0
         self._graph_key = next_graph_key()
-        # What each graph this rank compiled never reads, and the graphs that ran in the
-        # current step.
+        self._runs = 0  # graphs run so far (the same count on every rank)
+        # Per graph this rank compiled: its collectives and what it never reads; and the
+        # graphs that ran in the current step.
+        self._graph_collectives: list[list[Any]] = []
         self._graph_unused: list[frozenset[str]] = []
         self._ran: set[int] = set()
         self._compiled = torch.compile(forward, backend=self._backend(), fullgraph=True)
@@ -182,17 +184,31 @@ class CompiledGrads:
 
         def counted(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
             order = self._order
-            if self._compiles == 0:  # every rank compiles its first graph: compare them
-                agree_on_graphs(gm, self._graph_key, self.where, self._traced.ranks)
             # Every graph, the first and any a guard that failed (maybe on this rank only)
-            # compiled later: what it never reads.
+            # compiled later: its collectives, compared with the peers' before each run, and
+            # what it never reads.
+            self._graph_collectives.append(graph_collectives(gm))
             unused = unused_locals(gm, len(order)) or frozenset()
             index = self._compiles
             self._graph_unused.append(frozenset(order[i] for i in unused))
             self._compiles += 1
-            return _noting_runs(inner(gm, example_inputs), lambda: self._ran.add(index))
+            return _noting_runs(inner(gm, example_inputs), lambda: self._about_to_run(index))
 
         return counted
+
+    def _about_to_run(self, index: int) -> None:
+        """Before graph ``index`` runs: note it for :meth:`unused`, and check that every rank
+        runs graphs with the same collectives (:func:`agree_on_run`; a recompile on some ranks
+        only is checked as the first graphs are)."""
+        self._ran.add(index)
+        self._runs += 1
+        agree_on_run(
+            self._graph_collectives[index],
+            f"{self._graph_key}/{self._runs}",
+            self.where,
+            self._traced.ranks,
+            self._traced.mesh_dims,
+        )
 
     def grads(
         self, params: dict[str, Any], batch: Any, grad_accum: int, has_aux: bool
@@ -236,11 +252,6 @@ class CompiledGrads:
         self._traced.refresh()  # the model's settings as they are now, outside the graph
         try:
             return self._compiled(ordered, micro, sinks)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            inner = getattr(e, "inner_exception", None)
-            if isinstance(inner, CollectiveError):  # the ranks' graphs differ: no collective ran
-                raise inner from None
-            raise
         except torch._dynamo.exc.Unsupported as e:  # traced on fake tensors: no collective ran
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UnsupportedError(
@@ -451,9 +462,9 @@ def compile_backward(
     Raises:
         UnsupportedError: what the trace does not cover (as ``make_train_step``), before any
             collective.
-        CollectiveMismatchError: at the first call, on every rank, when the ranks' graphs run
-            different collectives (a module of a group that runs on some ranks only), before
-            any collective.
+        CollectiveMismatchError: at any call, on every rank, when the ranks' graphs run
+            different collectives (a module of a group that runs on some ranks only, also in
+            a graph that some ranks recompiled alone), before any of them ran.
     """
     from .step import _check_arguments, _compiled, _trainable
 

@@ -35,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "DeferredReductions": ".engine.functional_path",
     "TracedModel": ".api.traced",
     "TreeReductions": ".engine.reproducible",
-    "agree_on_graphs": ".comm.graph_agreement",
+    "agree_on_run": ".comm.graph_agreement",
     "unused_locals": ".comm.graph_agreement",
     "any_rank_each": ".comm.graph_agreement",
     "graph_collectives": ".comm.graph_agreement",

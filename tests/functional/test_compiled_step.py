@@ -383,9 +383,10 @@ def test_what_the_compiled_step_does_not_trace_is_refused_by_name(world: World) 
 
 def _case_module_on_some_ranks_only() -> dict[str, Any]:
     """A group whose module runs on rank 1 only (``Routed.extra``, one collective per group):
-    the ranks' first graphs differ, and compiling them raises on both ranks before any
-    collective ran; the same world then runs a collective, and the eager step once every
-    rank runs ``extra``."""
+    the ranks' first graphs differ, and running them raises on both ranks before any of their
+    collectives ran; the same world then runs a collective, and the eager step once every
+    rank runs ``extra``; then a step compiled where every rank runs ``extra``, whose second
+    call rank 1 makes without it (recompiling alone)."""
     _fresh_dynamo()
     import torch.distributed as dist
     from _helpers import Routed
@@ -412,18 +413,44 @@ def _case_module_on_some_ranks_only() -> dict[str, Any]:
     dist.all_reduce(probe)  # the world is still in step
     model.use_extra = True  # and the model trains once every rank runs every module
     model(x).square().mean().backward()
-    return {"message": message, "probe": probe.item(), "grad": model.extra.weight.grad is not None}
+    # Every rank's first graph runs extra; at the second call rank 1 skips it: a guard fails
+    # there only, and rank 1 alone recompiles a graph with one all-gather fewer.
+    later = compile_backward(model, lambda m, x: m(x).square().mean(), compile="aot_eager")
+    later(x)
+    model.use_extra = _rank() == 0
+    try:
+        later(x)
+        recompiled = None
+    except CollectiveMismatchError as e:
+        recompiled = str(e)
+    after = torch.ones(1)
+    dist.all_reduce(after)
+    return {
+        "message": message,
+        "probe": probe.item(),
+        "probe_after": after.item(),
+        "grad": model.extra.weight.grad is not None,
+        "recompiled": recompiled,
+        "graphs": later.compile_report().graphs,  # type: ignore[attr-defined]
+    }
 
 
 def test_a_module_run_on_some_ranks_only_is_refused_when_compiled(world: World) -> None:
     """Where gloo aborted the process (the graphs' all-gathers paired with different sizes),
-    every rank raises CollectiveMismatchError naming the first collective that differs."""
+    every rank raises CollectiveMismatchError naming the first collective that differs, also
+    for a graph one rank recompiled alone."""
     for r, res in enumerate(world.run(_case_module_on_some_ranks_only)):
         assert res["probe"] == 2.0 and res["grad"], (r, res)
         msg = res["message"]
         assert msg is not None, f"rank {r} compiled and ran mismatched graphs"
         assert "compile_backward" in msg and "different collectives" in msg, msg
         assert "all_gather_into_tensor of" in msg and "some ranks only" in msg, msg
+        # A graph that rank 1 recompiled alone later: checked before it runs, as the first
+        # graphs are (it ran unchecked before, and the ranks waited out the timeout).
+        assert res["graphs"] == 1 + r, res
+        assert res["recompiled"] is not None, f"rank {r} ran a graph its peer did not"
+        assert "different collectives" in res["recompiled"], res["recompiled"]
+        assert res["probe_after"] == 2.0
 
 
 class _InPlace(nn.Module):

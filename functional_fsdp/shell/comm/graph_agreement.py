@@ -1,14 +1,17 @@
-"""The ranks agree on the collectives of their compiled graphs before any of them runs.
+"""The ranks agree on the collectives of their compiled graphs before each graph runs.
 
 A compiled step's collectives are graph nodes that each rank traced on its own: where a
 module of a ``fully_shard`` group runs on some ranks only (data-dependent control flow), one
 rank's graph all-gathers that group and another's does not, and running them pairs unrelated
 collectives (gloo aborts the process on the first size mismatch, or both wait for ever). The
 eager engine finds this at the first such collective (``CollectiveMismatchError``); a graph
-runs its collectives without the engine, so the ranks compare their graphs when they are
-first compiled instead: each publishes its collectives to the default store, waits (bounded)
-for every rank of the model's mesh, and raises the same error on every rank whose graphs
-differ, before any collective ran.
+runs its collectives without the engine, so before each run of a graph the ranks compare
+digests of the collectives they are about to run (:func:`agree_on_run`: one max all-reduce
+of a number per mesh dim). Which graph runs is each rank's own: a guard that failed on some
+ranks only compiles a graph there alone, so comparing only the graphs compiled together (the
+first ones) left a later one-rank recompile to hang. Where the digests differ, the ranks
+publish their graphs' collectives to the default store and every rank raises the same error,
+naming the first collective that differs, before any of them ran.
 
 Each rank also knows which parameters each of its graphs never reads (:func:`unused_locals`);
 after each step the ranks all-reduce, per trainable parameter, whether a graph that ran reads
@@ -30,10 +33,10 @@ import torch
 import torch.distributed as dist
 
 from ...core.errors import CollectiveMismatchError, CollectiveTimeoutError
-from ...core.traced import GraphCollective, collectives_difference
+from ...core.traced import GraphCollective, collectives_difference, collectives_digest
 
 __all__ = [
-    "agree_on_graphs",
+    "agree_on_run",
     "any_rank_each",
     "graph_collectives",
     "next_graph_key",
@@ -200,26 +203,46 @@ def _group(name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(name)  # type: ignore[arg-type]
 
 
-def agree_on_graphs(
-    gm: torch.fx.GraphModule,
+def agree_on_run(
+    collectives: Sequence[GraphCollective],
     key: str,
     where: str,
     ranks: Sequence[int],
+    mesh_dims: Sequence[tuple[Any, int]],
     timeout_s: float = 300.0,
 ) -> None:
-    """Publish this rank's graph ``gm``'s collectives (:func:`graph_collectives`) under
-    ``key`` and compare them with every rank of ``ranks`` (the model's mesh).
+    """Before a compiled graph runs ``collectives`` (:func:`graph_collectives` of it): check
+    that every rank of the model's mesh is about to run the same ones.
+
+    One max all-reduce per ``(mesh, dim)`` of ``mesh_dims`` compares the digests (the core's
+    :func:`~functional_fsdp.core.traced.collectives_digest`). Only where they differ, each
+    rank publishes its collectives under ``key`` (unique to this run, the same on every rank)
+    and compares them with every rank of ``ranks``.
 
     Raises :class:`CollectiveMismatchError` on every rank, naming the first difference, when
     the ranks' collectives differ; :class:`CollectiveTimeoutError` when a rank did not publish
-    within ``timeout_s`` (it failed before compiling, or makes its steps in another order)."""
+    within ``timeout_s``."""
     if not dist.is_initialized() or len(ranks) <= 1:
         return
-    collectives = graph_collectives(gm)
+    digest = float(collectives_digest(collectives))
+    most, least = _max_over(torch.tensor([digest, -digest], dtype=torch.float64), mesh_dims)
+    if most.item() == -least.item():
+        return
+    _name_the_difference(collectives, key, where, ranks, timeout_s)
+
+
+def _name_the_difference(
+    collectives: Sequence[GraphCollective],
+    key: str,
+    where: str,
+    ranks: Sequence[int],
+    timeout_s: float,
+) -> None:
+    """Publish this rank's ``collectives`` under ``key``, wait (bounded) for every rank of
+    ``ranks``, and raise :class:`CollectiveMismatchError` naming the first difference."""
     me = dist.get_rank()
     store = dist.distributed_c10d._get_default_store()
-    mine = {"collectives": [list(c) for c in collectives]}
-    store.set(f"{key}/{me}", json.dumps(mine))
+    store.set(f"{key}/{me}", json.dumps([list(c) for c in collectives]))
     peers = sorted(ranks)
     keys = [f"{key}/{r}" for r in peers]
     try:
@@ -227,31 +250,36 @@ def agree_on_graphs(
     except Exception as e:  # the store's timeout (DistStoreError, or RuntimeError on older torch)
         missing = [r for r, k in zip(peers, keys) if not store.check([k])]
         raise CollectiveTimeoutError(
-            f"{where}: rank {me} compiled its step and waited {timeout_s:g} s for the graphs of "
-            f"rank(s) {missing}, which did not compile theirs (they failed before, or make their "
-            "compiled steps in another order: every rank must make the same steps)"
+            f"{where}: rank {me}'s compiled graph runs other collectives than its peers', and "
+            f"rank(s) {missing} did not publish theirs within {timeout_s:g} s to say which"
         ) from e
     theirs = {r: json.loads(store.get(k)) for r, k in zip(peers, keys)}
-    why = collectives_difference(
-        {r: [tuple(c) for c in t["collectives"]] for r, t in theirs.items()}
+    why = collectives_difference({r: [tuple(c) for c in t] for r, t in theirs.items()})
+    raise CollectiveMismatchError(
+        f"{where}: the ranks compiled graphs with different collectives ({why}), which "
+        "would pair unrelated collectives. A module of a fully_shard group whose forward "
+        "runs on some ranks only gathers its group there only (also when only some ranks "
+        "recompiled: a guard that failed there, such as a flag that changed on those ranks): "
+        "run every module on every rank (route inside a group, e.g. multiply an unused "
+        "branch's output by 0), or make the step without compile (the eager path raises at "
+        "the first such collective)"
     )
-    if why is not None:
-        raise CollectiveMismatchError(
-            f"{where}: the ranks compiled graphs with different collectives ({why}), which "
-            "would pair unrelated collectives. A module of a fully_shard group whose forward "
-            "runs on some ranks only gathers its group there only: run every module on every "
-            "rank (route inside a group, e.g. multiply an unused branch's output by 0), or make "
-            "the step without compile (the eager path raises at the first such collective)"
-        )
 
 
-def any_rank_each(flags: Sequence[bool], mesh_dims: Sequence[tuple[Any, int]]) -> list[bool]:
-    """For each of ``flags``, whether it holds on any rank of the meshes: one max all-reduce
-    over each ``(mesh, dim)`` in turn (together they reach every rank of a mesh)."""
-    out = torch.tensor([1.0 if f else 0.0 for f in flags])
+def _max_over(values: torch.Tensor, mesh_dims: Sequence[tuple[Any, int]]) -> torch.Tensor:
+    """``values``' elementwise max over every rank of the meshes: one max all-reduce over each
+    ``(mesh, dim)`` in turn (together they reach every rank of a mesh)."""
+    out = values
     for mesh, dim in mesh_dims:
         if mesh.size(dim) > 1:
             t = out.to(mesh.device_type)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
             out = t.cpu()
+    return out
+
+
+def any_rank_each(flags: Sequence[bool], mesh_dims: Sequence[tuple[Any, int]]) -> list[bool]:
+    """For each of ``flags``, whether it holds on any rank of the meshes (see
+    :func:`_max_over`)."""
+    out = _max_over(torch.tensor([1.0 if f else 0.0 for f in flags]), mesh_dims)
     return [bool(v > 0) for v in out.tolist()]
