@@ -94,8 +94,8 @@ def pack_shards(locals_: Sequence[torch.Tensor], layout: GroupLayout) -> torch.T
     of ``layout.storage``). Differentiable: its gradient is each shard's rows of the packed
     gradient."""
     pieces = []
-    for i, t in enumerate(locals_):
-        rows = layout.shard_shapes[i][0]
+    for i in range(len(locals_)):  # not enumerate: dynamo traces its Python polyfill each call
+        t, rows = locals_[i], layout.shard_shapes[i][0]
         if t.shape[0] < rows:
             t = torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
         pieces.append(t.reshape(-1))
@@ -110,7 +110,8 @@ def full_params(rows: torch.Tensor, layout: GroupLayout) -> tuple[torch.Tensor, 
     parameter's rows. Differentiable (views and one ``reshape`` copy per parameter)."""
     pack = layout.gather
     out = []
-    for i, spec in enumerate(layout.specs):
+    for i in range(len(layout.specs)):  # (see pack_shards)
+        spec = layout.specs[i]
         piece = rows.narrow(1, pack.offsets[i], pack.sizes[i])
         out.append(piece.reshape(layout.padded_full_shape(i)).narrow(0, 0, spec.shape[0]))
     return tuple(out)
@@ -125,8 +126,8 @@ def pack_full_grads(
     of :func:`full_params` would build a zero buffer of the whole bucket for each parameter."""
     ws, pack = layout.world_size, layout.gather
     cols = []
-    for i, spec in enumerate(layout.specs):
-        padded = layout.padded_full_shape(i)
+    for i in range(len(layout.specs)):  # (see pack_shards)
+        spec, padded = layout.specs[i], layout.padded_full_shape(i)
         g = grads[i]
         if g is None:
             cols.append(torch.zeros((ws, pack.sizes[i]), dtype=dtype, device=_device(grads)))
