@@ -28,7 +28,6 @@ from ..shell import (
     TracedModel,
     TreeReductions,
     agree_on_run,
-    any_rank_each,
     graph_collectives,
     next_graph_key,
     unused_locals,
@@ -132,7 +131,9 @@ class CompiledGrads:
         # graphs that ran in the current step.
         self._graph_collectives: list[list[Any]] = []
         self._graph_unused: list[frozenset[str]] = []
-        self._ran: set[int] = set()
+        # Per trainable parameter: whether a graph that ran in the current step, on any rank,
+        # reads it (answered with each run's agreement).
+        self._read: list[bool] = []
         self._compiled = torch.compile(forward, backend=self._backend(), fullgraph=True)
 
     def _backend(self) -> Any:
@@ -197,25 +198,28 @@ class CompiledGrads:
         return counted
 
     def _about_to_run(self, index: int) -> None:
-        """Before graph ``index`` runs: note it for :meth:`unused`, and check that every rank
-        runs graphs with the same collectives (:func:`agree_on_run`; a recompile on some ranks
-        only is checked as the first graphs are)."""
-        self._ran.add(index)
+        """Before graph ``index`` runs: check that every rank runs graphs with the same
+        collectives (:func:`agree_on_run`; a recompile on some ranks only is checked as the
+        first graphs are), and learn in the same all-reduce which trainable parameters some
+        rank's graph reads (for :meth:`unused`)."""
         self._runs += 1
-        agree_on_run(
+        never = self._graph_unused[index]
+        read = agree_on_run(
             self._graph_collectives[index],
             f"{self._graph_key}/{self._runs}",
             self.where,
             self._traced.ranks,
             self._traced.mesh_dims,
+            reads=[n not in never for n in self.trainable],
         )
+        self._read = [a or b for a, b in zip(self._read, read)] if self._read else read
 
     def grads(
         self, params: dict[str, Any], batch: Any, grad_accum: int, has_aux: bool
     ) -> Accumulated:
         """The step's forward and backward passes over ``grad_accum`` micro-batches."""
         t0 = time.perf_counter()
-        self._ran = set()
+        self._read = []
         trainable = set(self.trainable)
         leaves = {n: _local(params[n]).detach().requires_grad_(n in trainable) for n in self._order}
         ordered = [leaves[n] for n in self._order]
@@ -261,17 +265,13 @@ class CompiledGrads:
             ) from e
 
     def unused(self) -> frozenset[str]:
-        """The trainable parameters no rank's graph read in the step that just ran. Every rank
-        calls this after each step; it all-reduces, for each trainable parameter, whether a
-        graph that ran on the rank in this step reads it (one small all-reduce a step). Which
-        graphs run is each rank's own: a guard that failed on some ranks only compiles a graph
-        there, and a graph compiled later (a branch switched off after the first steps) may
-        not read what the first graphs read, so no rank can skip the question alone."""
-        if not self.trainable:  # the same on every rank: no question to ask
-            return frozenset()
-        here = [any(n not in self._graph_unused[k] for k in self._ran) for n in self.trainable]
-        anywhere = any_rank_each(here, self._traced.mesh_dims)
-        return frozenset(n for n, read in zip(self.trainable, anywhere) if not read)
+        """The trainable parameters no rank's graph read in the step that just ran (no
+        collective: each graph run's agreement all-reduced, per trainable parameter, whether
+        the graph each rank runs reads it). Which graphs run is each rank's own: a guard that
+        failed on some ranks only compiles a graph there, and a graph compiled later (a branch
+        switched off after the first steps) may not read what the first graphs read, so no
+        rank can answer alone."""
+        return frozenset(n for n, read in zip(self.trainable, self._read) if not read)
 
     def report(self) -> CompileReport:
         """What compiling did so far (see :class:`CompileReport`)."""

@@ -37,7 +37,6 @@ _EXPORTS: dict[str, str] = {
     "TreeReductions": ".engine.reproducible",
     "agree_on_run": ".comm.graph_agreement",
     "unused_locals": ".comm.graph_agreement",
-    "any_rank_each": ".comm.graph_agreement",
     "graph_collectives": ".comm.graph_agreement",
     "next_graph_key": ".comm.graph_agreement",
     "set_local_optimizer_step": ".engine.local_step",

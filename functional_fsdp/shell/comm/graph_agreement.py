@@ -14,9 +14,9 @@ publish their graphs' collectives to the default store and every rank raises the
 naming the first collective that differs, before any of them ran.
 
 Each rank also knows which parameters each of its graphs never reads (:func:`unused_locals`);
-after each step the ranks all-reduce, per trainable parameter, whether a graph that ran reads
-it (:func:`any_rank_each`): those no rank's graph read get no gradient from
-``compile_backward``, as from ``loss.backward()``.
+the same all-reduce carries, per trainable parameter, whether the graph about to run reads it:
+those no rank's graph read in a step get no gradient from ``compile_backward``, as from
+``loss.backward()``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from ...core.traced import GraphCollective, collectives_difference, collectives_
 
 __all__ = [
     "agree_on_run",
-    "any_rank_each",
     "graph_collectives",
     "next_graph_key",
     "unused_locals",
@@ -209,26 +208,31 @@ def agree_on_run(
     where: str,
     ranks: Sequence[int],
     mesh_dims: Sequence[tuple[Any, int]],
+    reads: Sequence[bool] = (),
     timeout_s: float = 300.0,
-) -> None:
+) -> list[bool]:
     """Before a compiled graph runs ``collectives`` (:func:`graph_collectives` of it): check
-    that every rank of the model's mesh is about to run the same ones.
+    that every rank of the model's mesh is about to run the same ones; for each of ``reads``
+    (flags of this rank's graph, such as whether it reads a parameter), whether it holds on
+    any rank.
 
     One max all-reduce per ``(mesh, dim)`` of ``mesh_dims`` compares the digests (the core's
-    :func:`~functional_fsdp.core.traced.collectives_digest`). Only where they differ, each
-    rank publishes its collectives under ``key`` (unique to this run, the same on every rank)
-    and compares them with every rank of ``ranks``.
+    :func:`~functional_fsdp.core.traced.collectives_digest`) and carries the flags. Only
+    where the digests differ, each rank publishes its collectives under ``key`` (unique to
+    this run, the same on every rank) and compares them with every rank of ``ranks``.
 
     Raises :class:`CollectiveMismatchError` on every rank, naming the first difference, when
     the ranks' collectives differ; :class:`CollectiveTimeoutError` when a rank did not publish
     within ``timeout_s``."""
     if not dist.is_initialized() or len(ranks) <= 1:
-        return
+        return list(reads)
     digest = float(collectives_digest(collectives))
-    most, least = _max_over(torch.tensor([digest, -digest], dtype=torch.float64), mesh_dims)
-    if most.item() == -least.item():
-        return
-    _name_the_difference(collectives, key, where, ranks, timeout_s)
+    flags = [1.0 if f else 0.0 for f in reads]
+    out = _max_over(torch.tensor([digest, -digest, *flags], dtype=torch.float64), mesh_dims)
+    most, least, *anywhere = out.tolist()
+    if most != -least:
+        _name_the_difference(collectives, key, where, ranks, timeout_s)
+    return [v > 0 for v in anywhere]
 
 
 def _name_the_difference(
@@ -276,10 +280,3 @@ def _max_over(values: torch.Tensor, mesh_dims: Sequence[tuple[Any, int]]) -> tor
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
             out = t.cpu()
     return out
-
-
-def any_rank_each(flags: Sequence[bool], mesh_dims: Sequence[tuple[Any, int]]) -> list[bool]:
-    """For each of ``flags``, whether it holds on any rank of the meshes (see
-    :func:`_max_over`)."""
-    out = _max_over(torch.tensor([1.0 if f else 0.0 for f in flags]), mesh_dims)
-    return [bool(v > 0) for v in out.tolist()]
