@@ -92,6 +92,16 @@ def _run(
                 all(isinstance(p, DTensor) for p in o.param_groups[0]["params"])
             )
         )
+    ops = _train_counting_ops(model, opt, steps)
+    held = kept.held() if kept is not None else {}
+    if kept is not None:
+        kept.remove()
+    return {"params": _full_params(model), "opt": opt, "ops": ops, "seen": seen, "held": held}
+
+
+def _train_counting_ops(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> list:
+    """``steps`` training steps of the GPT on this rank's batches: the ``DTensor`` ops each
+    optimizer step dispatched."""
     ops = []
     for s in range(steps):
         x, y = synthetic_batch(CFG, 2, seed=1000 * s + dist.get_rank())
@@ -100,10 +110,7 @@ def _run(
             opt.step()
         ops.append(counter.count)
         opt.zero_grad()
-    held = kept.held() if kept is not None else {}
-    if kept is not None:
-        kept.remove()
-    return {"params": _full_params(model), "opt": opt, "ops": ops, "seen": seen, "held": held}
+    return ops
 
 
 def _same_state(a: torch.optim.Optimizer, b: torch.optim.Optimizer) -> bool:
@@ -432,14 +439,7 @@ def case_first_group_reproducible() -> dict:
             fully_shard(block, reproducible=ReproduciblePolicy(2))
         fully_shard(model, reproducible=ReproduciblePolicy(2))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        ops = []
-        for s in range(2):
-            x, y = synthetic_batch(CFG, 2, seed=1000 * s + dist.get_rank())
-            model.loss(x, y).backward()
-            with _CountDTensorOps() as counter:
-                opt.step()
-            ops.append(counter.count)
-            opt.zero_grad()
+        ops = _train_counting_ops(model, opt, 2)
         hooks = [h.__name__ for h in _step_hooks()]
     return {"ops": ops, "hooks": hooks}
 

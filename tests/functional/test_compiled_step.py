@@ -381,6 +381,17 @@ def test_what_the_compiled_step_does_not_trace_is_refused_by_name(world: World) 
         assert "sharded on a dim other than 0" in messages[2]
 
 
+def _mismatch(backward: Any, x: torch.Tensor) -> str | None:
+    """``backward(x)``'s ``CollectiveMismatchError`` message (``None``: it ran)."""
+    from functional_fsdp.core.errors import CollectiveMismatchError
+
+    try:
+        backward(x)
+    except CollectiveMismatchError as e:
+        return str(e)
+    return None
+
+
 def _case_module_on_some_ranks_only() -> dict[str, Any]:
     """A group whose module runs on rank 1 only (``Routed.extra``, one collective per group):
     the ranks' first graphs differ, and running them raises on both ranks before any of their
@@ -392,7 +403,6 @@ def _case_module_on_some_ranks_only() -> dict[str, Any]:
     from _helpers import Routed
 
     from functional_fsdp import fully_shard
-    from functional_fsdp.core.errors import CollectiveMismatchError
     from functional_fsdp.functional import compile_backward
 
     torch.manual_seed(0)
@@ -404,11 +414,7 @@ def _case_module_on_some_ranks_only() -> dict[str, Any]:
     model.use_extra = _rank() == 1
     backward = compile_backward(model, lambda m, x: m(x).square().mean(), compile="aot_eager")
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(_rank()))
-    try:
-        backward(x)
-        message = None
-    except CollectiveMismatchError as e:
-        message = str(e)
+    message = _mismatch(backward, x)
     probe = torch.ones(1)
     dist.all_reduce(probe)  # the world is still in step
     model.use_extra = True  # and the model trains once every rank runs every module
@@ -418,11 +424,7 @@ def _case_module_on_some_ranks_only() -> dict[str, Any]:
     later = compile_backward(model, lambda m, x: m(x).square().mean(), compile="aot_eager")
     later(x)
     model.use_extra = _rank() == 0
-    try:
-        later(x)
-        recompiled = None
-    except CollectiveMismatchError as e:
-        recompiled = str(e)
+    recompiled = _mismatch(later, x)
     after = torch.ones(1)
     dist.all_reduce(after)
     return {
