@@ -127,8 +127,7 @@ class CompiledGrads:
         self._compiles = 0
         self._graph_key = next_graph_key()
         self._runs = 0  # graphs run so far (the same count on every rank)
-        # Per graph this rank compiled: its collectives and what it never reads; and the
-        # graphs that ran in the current step.
+        # Per graph this rank compiled: its collectives and what it never reads.
         self._graph_collectives: list[list[Any]] = []
         self._graph_unused: list[frozenset[str]] = []
         # Per trainable parameter: whether a graph that ran in the current step, on any rank,
