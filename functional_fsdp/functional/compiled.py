@@ -24,6 +24,7 @@ import torch.nn as nn
 from ..core.errors import ArgumentTypeError, UnsupportedError
 from ..core.overlap import GraphNode, NodeKind, overlap_order
 from ..core.reproducible import ReproduciblePolicy
+from ..core.traced import collectives_digest
 from ..shell import (
     TracedModel,
     TreeReductions,
@@ -127,9 +128,9 @@ class CompiledGrads:
         self._compiles = 0
         self._graph_key = next_graph_key()
         self._runs = 0  # graphs run so far (the same count on every rank)
-        # Per graph this rank compiled: its collectives and what it never reads.
-        self._graph_collectives: list[list[Any]] = []
-        self._graph_unused: list[frozenset[str]] = []
+        # Per graph this rank compiled, worked out once when it is compiled: its collectives,
+        # their digest, and per trainable parameter whether the graph reads it.
+        self._graph_facts: list[tuple[list[Any], int, list[bool]]] = []
         # Per trainable parameter: whether a graph that ran in the current step, on any rank,
         # reads it (answered with each run's agreement).
         self._read: list[bool] = []
@@ -187,10 +188,11 @@ class CompiledGrads:
             # Every graph, the first and any a guard that failed (maybe on this rank only)
             # compiled later: its collectives, compared with the peers' before each run, and
             # what it never reads.
-            self._graph_collectives.append(graph_collectives(gm))
-            unused = unused_locals(gm, len(order)) or frozenset()
+            collectives = graph_collectives(gm)
+            never = {order[i] for i in unused_locals(gm, len(order)) or ()}
+            reads = [n not in never for n in self.trainable]
+            self._graph_facts.append((collectives, collectives_digest(collectives), reads))
             index = self._compiles
-            self._graph_unused.append(frozenset(order[i] for i in unused))
             self._compiles += 1
             return _noting_runs(inner(gm, example_inputs), lambda: self._about_to_run(index))
 
@@ -202,14 +204,15 @@ class CompiledGrads:
         first graphs are), and learn in the same all-reduce which trainable parameters some
         rank's graph reads (for :meth:`unused`)."""
         self._runs += 1
-        never = self._graph_unused[index]
+        collectives, digest, reads = self._graph_facts[index]
         read = agree_on_run(
-            self._graph_collectives[index],
+            collectives,
+            digest,
             f"{self._graph_key}/{self._runs}",
             self.where,
             self._traced.ranks,
             self._traced.mesh_dims,
-            reads=[n not in never for n in self.trainable],
+            reads=reads,
         )
         self._read = [a or b for a, b in zip(self._read, read)] if self._read else read
 

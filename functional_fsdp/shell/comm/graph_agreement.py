@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ...core.errors import CollectiveMismatchError, CollectiveTimeoutError
-from ...core.traced import GraphCollective, collectives_difference, collectives_digest
+from ...core.traced import GraphCollective, collectives_difference
 
 __all__ = [
     "agree_on_run",
@@ -204,6 +204,7 @@ def _group(name: str) -> dist.ProcessGroup:
 
 def agree_on_run(
     collectives: Sequence[GraphCollective],
+    digest: int,
     key: str,
     where: str,
     ranks: Sequence[int],
@@ -211,13 +212,14 @@ def agree_on_run(
     reads: Sequence[bool] = (),
     timeout_s: float = 300.0,
 ) -> list[bool]:
-    """Before a compiled graph runs ``collectives`` (:func:`graph_collectives` of it): check
-    that every rank of the model's mesh is about to run the same ones; for each of ``reads``
-    (flags of this rank's graph, such as whether it reads a parameter), whether it holds on
-    any rank.
+    """Before a compiled graph runs ``collectives`` (:func:`graph_collectives` of it), whose
+    ``digest`` is the core's :func:`~functional_fsdp.core.traced.collectives_digest` of them
+    (worked out once per graph by the caller): check that every rank of the model's mesh is
+    about to run the same ones; for each of ``reads`` (flags of this rank's graph, such as
+    whether it reads a parameter), whether it holds on any rank.
 
-    One max all-reduce per ``(mesh, dim)`` of ``mesh_dims`` compares the digests (the core's
-    :func:`~functional_fsdp.core.traced.collectives_digest`) and carries the flags. Only
+    One max all-reduce per ``(mesh, dim)`` of ``mesh_dims`` compares the digests and carries
+    the flags. Only
     where the digests differ, each rank publishes its collectives under ``key`` (unique to
     this run, the same on every rank) and compares them with every rank of ``ranks``.
 
@@ -226,9 +228,9 @@ def agree_on_run(
     within ``timeout_s``."""
     if not dist.is_initialized() or len(ranks) <= 1:
         return list(reads)
-    digest = float(collectives_digest(collectives))
     flags = [1.0 if f else 0.0 for f in reads]
-    out = _max_over(torch.tensor([digest, -digest, *flags], dtype=torch.float64), mesh_dims)
+    values = torch.tensor([float(digest), -float(digest), *flags], dtype=torch.float64)
+    out = _max_over(values, mesh_dims)
     most, least, *anywhere = out.tolist()
     if most != -least:
         _name_the_difference(collectives, key, where, ranks, timeout_s)
