@@ -221,9 +221,11 @@ def _worker(rank: int, world_size: int, port: int, inbox: Any, outbox: Any) -> N
     import datetime
     import faulthandler
 
-    # A rank killed by a signal (SIGABRT from glibc's heap checks, SIGSEGV) prints every
-    # thread's Python stack to its stderr, which pytest shows with the failing case.
-    faulthandler.enable(all_threads=True)
+    # A rank killed by a signal (SIGABRT from glibc's heap checks, SIGSEGV) prints the Python
+    # stack of the thread that crashed to its stderr, which pytest shows with the failing case.
+    # Only that thread's: a CI rank's dump of every thread stopped, cut off, at the first
+    # other thread's frames (a thread state it could not read) and named no crash site.
+    faulthandler.enable(all_threads=False)
 
     import torch
     import torch.distributed as dist

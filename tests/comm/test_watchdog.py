@@ -130,6 +130,51 @@ def test_a_slow_peer_is_waited_for(world2: World) -> None:
     assert slow[0] == slow[1] == world2.run(case_no_delay)[0]
 
 
+def case_place_read_when_asked() -> dict[str, int]:
+    """Both ranks train for 3 s (the publisher beats about 6 times; the first 1.5 s let asks
+    of the module's earlier cases lapse), then rank 0 sleeps 3 s in user code while rank 1's
+    next forward waits for it (and asks from its 2nd second on): how often each rank's
+    publisher read its main thread's place in the last 1.5 s of training and after."""
+    from functional_fsdp.shell.comm import watchdog
+
+    os.environ["FFSDP_PEER_IDLE_GRACE"] = str(GRACE_S)
+    model = _model()
+    calls: list[int] = []
+    real = watchdog._main_thread_place
+
+    def counted() -> tuple[str, str | None]:
+        calls.append(1)
+        return real()
+
+    watchdog._main_thread_place = counted
+    try:
+        start, k, lapsed = time.monotonic(), 0, -1
+        go = torch.ones(1)
+        while go.item():  # the same micro-batches on both ranks, for rank 0's 3 s
+            _micro_batch(model, k)
+            k += 1
+            if lapsed < 0 and time.monotonic() > start + 1.5:
+                lapsed = len(calls)
+            go.fill_(float(time.monotonic() < start + 3.0))
+            dist.broadcast(go, src=0)
+        training = len(calls) - lapsed
+        if dist.get_rank() == 0:
+            time.sleep(3.0)
+        _micro_batch(model, k)
+    finally:
+        watchdog._main_thread_place = real
+    return {"training": training, "waited_for": len(calls) - lapsed - training}
+
+
+def test_the_main_threads_place_is_read_only_while_a_peer_asks(world2: World) -> None:
+    """faulthandler's all-thread dump (how the place is read) runs only while a peer waits for
+    this rank, never beside a training step."""
+    r0, r1 = world2.run(case_place_read_when_asked)
+    assert r0["training"] == r1["training"] == 0, (r0, r1)
+    assert r0["waited_for"] >= 1, r0  # rank 1 asked
+    assert r1["waited_for"] == 0, r1  # it waited itself: nobody asks a waiting rank
+
+
 def case_optimizer_step_skipped_on_one_rank() -> dict[str, Any]:
     """Rank 0 skips ``Muon.step()`` (a local NaN guard) and runs the next forward; rank 1
     steps: each waits for something the other never posts."""

@@ -4,7 +4,8 @@ A rank blocked in a wait of this package can only learn why its peers do not ans
 peers themselves. Every rank of a multi-process gloo run therefore keeps one daemon thread
 that publishes, twice a second, a small record to the default store (``ffsdp/watch/<rank>``):
 how many collectives it has issued, the last one, how long ago it last issued or finished
-one, what it waits for now (if anything), and where its main thread is. A waiting rank reads
+one, what it waits for now (if anything), and, while a peer that waits for it asks
+(``ffsdp/watch-ask/<rank>``), where its main thread is. A waiting rank reads
 its peers' records (:func:`peer_trouble`, from every bounded wait: the communicators' and the
 raw waits of :func:`watched_wait`) and raises, within the grace period
 (``FFSDP_PEER_IDLE_GRACE``, 5 s by default), when a peer can never post what it waits for:
@@ -55,6 +56,8 @@ __all__ = [
 
 _PERIOD_S = 0.5
 _KEY = "ffsdp/watch/"
+_ASK = "ffsdp/watch-ask/"  # + rank: a counter its waiting peers add to (see _record)
+_ASKED_BEATS = 3  # a rank reads its main thread's place for this many beats after an ask
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TORCH_DIST = os.sep + os.path.join("torch", "distributed") + os.sep
 
@@ -192,10 +195,19 @@ def _main_thread_place() -> tuple[str, str | None]:
     return inner, outside
 
 
-def _record(beat: int, exited: bool = False) -> str:
+def _record(beat: int, exited: bool = False, asked: bool = False) -> str:
     now = time.monotonic()
     wait = activity.wait
-    inner, outside = _main_thread_place()
+    # Where the main thread is, only while a peer waiting for this rank asks (peer_trouble) and
+    # this rank waits for nothing itself: faulthandler's dump reads every thread's frames, and
+    # a thread state it cannot read kills the process (cpython#116008). Dumped twice a second
+    # in every rank, always, it ran beside every training step of the process, FSDP2's too; a
+    # CI run on torch 2.15 lost a rank to SIGSEGV whose fatal dump stopped at the first
+    # thread's frames, that signature (not reproduced since).
+    if asked and wait is None:
+        inner, outside = _main_thread_place()
+    else:
+        inner, outside = "(not asked)", None
     return json.dumps(
         {
             "beat": beat,
@@ -218,11 +230,18 @@ def _store() -> Any:
 
 def _publish_loop() -> None:
     beat = 0
+    asks = 0  # the ask counter as last read
+    asked_at = -_ASKED_BEATS  # the beat at which it last moved
     while not _EXITED.wait(_PERIOD_S):
         beat += 1
         try:
             if dist.is_initialized():
-                _store().set(f"{_KEY}{dist.get_rank()}", _record(beat))
+                store, me = _store(), dist.get_rank()
+                now_asks = store.add(f"{_ASK}{me}", 0)
+                if now_asks != asks:
+                    asks, asked_at = now_asks, beat
+                asked = beat - asked_at < _ASKED_BEATS
+                store.set(f"{_KEY}{me}", _record(beat, asked=asked))
         except Exception:
             continue  # a store being replaced (recovery) or gone (exit): try again next beat
 
@@ -258,6 +277,8 @@ def peer_trouble(peers: list[int], family: str, waited_s: float, what: str) -> E
     for key in present:
         peer = int(key.rsplit("/", 1)[1])
         rec = json.loads(store.get(key).decode())
+        if rec["wait"] is None:
+            store.add(f"{_ASK}{peer}", 1)  # where is it? (its next records say)
         since = f"since {rec['last']}" if rec["issued"] else "at all"
         if rec["exited"]:
             return PeerLeftError(
