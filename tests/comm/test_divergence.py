@@ -188,9 +188,12 @@ def test_divergence_is_a_named_error_then_recovers(world2: World, kind: str) -> 
 
 
 def _slow_peer(sleep_s: float) -> dict[str, Any]:
-    """Rank 1 stops for ``sleep_s`` inside its forward (past the grace period): rank 0 waits
-    at the same collectives, which is no mismatch; the step equals the reference."""
+    """Rank 1 stops for ``sleep_s`` inside its forward (past both grace periods: the position
+    check's and, set to 2 s here, the watchdog's idle peer's): rank 0 waits at the same
+    collectives, which is no mismatch; the step equals the reference."""
     cfg, model, ref, opt = _models()
+    grace = os.environ.get("FFSDP_PEER_IDLE_GRACE")
+    os.environ["FFSDP_PEER_IDLE_GRACE"] = "2"
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     rank = dist.get_rank()
 
@@ -204,6 +207,10 @@ def _slow_peer(sleep_s: float) -> dict[str, Any]:
     finally:
         if handle is not None:
             handle.remove()
+        if grace is None:
+            del os.environ["FFSDP_PEER_IDLE_GRACE"]
+        else:
+            os.environ["FFSDP_PEER_IDLE_GRACE"] = grace
     seconds = time.monotonic() - t0
     want = [_ref_step(cfg, ref, ref_opt, step) for step in (0, 1)]
     return {"losses": losses, "want": want, "seconds": seconds}
@@ -212,9 +219,9 @@ def _slow_peer(sleep_s: float) -> dict[str, Any]:
 def test_a_slow_peer_is_waited_for(world2: World, recovered_runs: Any) -> None:
     # recovered_runs: the recovered-process runs below start now, in their own processes, and
     # mostly sleep while this test's ranks do.
-    results = world2.run(_slow_peer, 6.0, timeout=120)
+    results = world2.run(_slow_peer, NAP_S, timeout=120)
     for r in results:
-        assert r["seconds"] > 2 * 6.0, r  # rank 0 waited through both naps without an error
+        assert r["seconds"] > 2 * NAP_S, r  # rank 0 waited through both naps without an error
         assert r["losses"] == pytest.approx(r["want"], abs=1e-5), r
 
 
@@ -235,7 +242,8 @@ def _recover_then_exit(rank: int, port: int, kind: str, out: Any) -> None:
     dist.destroy_process_group()
 
 
-GLOO_TIMEOUT_S = 8
+GLOO_TIMEOUT_S = 5
+NAP_S = 3.5  # the slow peer's, twice: the recovered runs' naps (7 s) pass meanwhile
 _EXIT_KINDS = ["exception_in_forward_on_one_rank", "different_submodules"]
 
 
@@ -243,7 +251,7 @@ _EXIT_KINDS = ["exception_in_forward_on_one_rank", "different_submodules"]
 def recovered_runs(request: pytest.FixtureRequest) -> Any:
     """The 2-rank processes of every selected ``kind`` of
     :func:`test_a_recovered_process_exits_cleanly`, all started at once on first use (by
-    :func:`test_a_slow_peer_is_waited_for`, whose ranks sleep 12 s): each mostly sleeps past
+    :func:`test_a_slow_peer_is_waited_for`, whose ranks sleep 7 s): each mostly sleeps past
     its gloo timeout, so the naps overlap. Killed at the end."""
 
     from _dist import free_ports, process, rank_context
