@@ -8,11 +8,16 @@ The core is the package ``functional_fsdp/core/``; inside it, dependencies point
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
 
 PACKAGE = "functional_fsdp"
+
+# Several tests walk every file of the package: each source is parsed once per session (the
+# trees are only read).
+_parse = functools.lru_cache(maxsize=None)(ast.parse)
 ROOT = Path(__file__).resolve().parents[2] / PACKAGE
 CORE_DIR = ROOT / "core"
 # Every module of the core, found on disk (a new one cannot escape the checks below; each
@@ -61,7 +66,7 @@ def _resolve(module: str, node: ast.ImportFrom) -> str:
 def imported_names(source: str, module: str) -> set[str]:
     """Every module (and ``from x import name`` as ``x.name``) that ``source`` imports."""
     names: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_parse(source)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -74,7 +79,7 @@ def imported_names(source: str, module: str) -> set[str]:
 def attribute_chains(source: str) -> set[str]:
     """Dotted attribute chains such as ``torch.cuda.synchronize`` (uses without an import)."""
     chains: set[str] = set()
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_parse(source)):
         if isinstance(node, ast.Attribute):
             parts = []
             cur: ast.expr = node
@@ -147,13 +152,13 @@ def test_checker_allows_pure_code(source: str) -> None:
 
 
 def test_relative_imports_resolve() -> None:
-    node = ast.parse("from ..comm import Work").body[0]
+    node = _parse("from ..comm import Work").body[0]
     assert isinstance(node, ast.ImportFrom)
     assert _resolve("testing._world", node) == f"{PACKAGE}.comm"
-    node = ast.parse("from ..core.comm import Work").body[0]
+    node = _parse("from ..core.comm import Work").body[0]
     assert isinstance(node, ast.ImportFrom)
     assert _resolve("testing._world", node) == f"{PACKAGE}.core.comm"
-    node = ast.parse("from . import layout as L").body[0]
+    node = _parse("from . import layout as L").body[0]
     assert isinstance(node, ast.ImportFrom)
     assert _resolve("core.records", node) == f"{PACKAGE}.core"
     assert "functional_fsdp.core.layout" in imported_names(
@@ -219,7 +224,7 @@ def test_the_functional_optimizer_half_loads_no_shell(fresh_imports: dict) -> No
 def _module_level_imports(path: Path, module: str) -> set[str]:
     """Package modules ``module`` imports at module level (not inside functions), including
     those under ``if TYPE_CHECKING:``: a cycle hidden from the interpreter is still a coupling."""
-    tree = ast.parse(path.read_text())
+    tree = _parse(path.read_text())
     found: set[str] = set()
 
     def visit(body: list[ast.stmt]) -> None:
@@ -301,7 +306,7 @@ def test_functions_stay_small() -> None:
     project = ROOT.parent
     long_functions = {}
     for path in ROOT.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 n = (node.end_lineno or node.lineno) - node.lineno + 1
                 if n > 80:
@@ -314,7 +319,7 @@ def test_functional_api_raises_only_named_errors() -> None:
     subclasses the built-in a user would catch): no bare ``ValueError`` / ``TypeError``."""
     bare = []
     for path in (ROOT / "functional").glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parse(path.read_text())):
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
                 func = node.exc.func
                 if isinstance(func, ast.Name) and func.id in {"ValueError", "TypeError"}:
@@ -480,7 +485,7 @@ def group_writes(source: str) -> list[str]:
     """Every statement of ``source`` that assigns (or deletes) a field of a group or of a
     parameter object: ``g.x = ...``, ``s.group.x += ...``, ``g.x[i] = ...``, ``del g.x``,
     ``setattr(g, ...)``, ``object.__setattr__(g, ...)``."""
-    tree = ast.parse(source)
+    tree = _parse(source)
     names = _group_names(tree)
     found = []
     for node in ast.walk(tree):
@@ -624,7 +629,7 @@ def test_the_control_state_has_one_writer() -> None:
     bad = []
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        for fn, attr, line in _assigned_attributes(ast.parse(path.read_text())):
+        for fn, attr, line in _assigned_attributes(_parse(path.read_text())):
             if attr in CONTROL_FLAGS:
                 bad.append(f"{rel}:{line} {fn} writes .{attr}")
             if attr in CONTROL_WRITERS and (rel, fn) not in CONTROL_WRITERS[attr]:
@@ -634,7 +639,7 @@ def test_the_control_state_has_one_writer() -> None:
 
 def test_control_state_checker_sees_writes() -> None:
     src = "def f(g):\n    g.ran_forward = True\n    g.phase, x = 1, 2\n    g.forward_done += 1\n"
-    found = {(fn, attr) for fn, attr, _ in _assigned_attributes(ast.parse(src))}
+    found = {(fn, attr) for fn, attr, _ in _assigned_attributes(_parse(src))}
     assert {("f", "ran_forward"), ("f", "phase"), ("f", "forward_done")} <= found
 
 
@@ -669,11 +674,11 @@ def test_communicators_declare_capabilities_instead_of_being_tested_for_their_cl
             continue
         bad += [
             f"{rel}:{line} isinstance(..., {c})"
-            for c, line in _class_tests(ast.parse(path.read_text()))
+            for c, line in _class_tests(_parse(path.read_text()))
         ]
     assert not bad, f"read capabilities(comm) instead: {bad}"
 
 
 def test_class_test_checker_sees_tests() -> None:
     src = "def f(c):\n    return isinstance(c, (int, ScopedComm)) or isinstance(c, m.CustomCollectiveComm)\n"
-    assert {c for c, _ in _class_tests(ast.parse(src))} == {"ScopedComm", "CustomCollectiveComm"}
+    assert {c for c, _ in _class_tests(_parse(src))} == {"ScopedComm", "CustomCollectiveComm"}
