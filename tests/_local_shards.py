@@ -22,11 +22,13 @@ from torch import nn
 
 
 def is_torch_fsdp(model: nn.Module) -> bool:
-    """Whether ``model`` is torch's own FSDP2 module (wherever ``functional_fsdp.as_fsdp2`` may
-    point the public name)."""
+    """Whether ``model`` is torch's own FSDP2 module, not ours (whose class derives from
+    torch's, as a drop-in's must)."""
     from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 
-    return isinstance(model, FSDPModule)
+    from functional_fsdp.shell.api.module import FSDPModule as Ours
+
+    return isinstance(model, FSDPModule) and not isinstance(model, Ours)
 
 
 class LocalShards:
