@@ -22,13 +22,11 @@ from torch import nn
 
 
 def is_torch_fsdp(model: nn.Module) -> bool:
-    """Whether ``model`` is torch's own FSDP2 module, not ours (whose class derives from
-    torch's, as a drop-in's must)."""
+    """Whether ``model`` is torch's own FSDP2 module (wherever ``functional_fsdp.as_fsdp2`` may
+    point the public name)."""
     from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
 
-    from functional_fsdp.shell.api.module import FSDPModule as Ours
-
-    return isinstance(model, FSDPModule) and not isinstance(model, Ours)
+    return isinstance(model, FSDPModule)
 
 
 class LocalShards:

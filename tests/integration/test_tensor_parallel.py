@@ -267,15 +267,3 @@ def case_local_reference() -> dict[str, bool]:
 def test_the_local_shard_reference_is_fsdp2s_dtensor_step(world4) -> None:
     for r in world4.run(case_local_reference):
         assert r == {"fp32": True, "bf16": True}, r
-
-
-def case_which_reference() -> list[bool]:
-    from _local_shards import is_torch_fsdp
-
-    mesh = world_mesh()
-    return [is_torch_fsdp(build(which, mesh)) for which in ("torch", "ours")]
-
-
-def test_only_torchs_modules_take_the_local_shard_reference(world4) -> None:
-    """Our modules' optimizer step is the engine's (under test), never the tests' shortcut."""
-    assert world4.run(case_which_reference) == [[True, False]] * 4
