@@ -8,7 +8,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from _dist import shared_mesh
 from _full import full_parameters
-from _local_shards import reference_optimizer
 
 from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch
 
@@ -101,7 +100,7 @@ def _train(
     opt_kind: str = "adamw",
 ) -> list[float]:
     rank = dist.get_rank() if rank is None else rank
-    opt = reference_optimizer(model, lambda ps: _optimizer(ps, opt_kind))  # FSDP2's: local shards
+    opt = _optimizer(model.parameters(), opt_kind)
     losses = []
     micro = 3 if recipe == "accum" else 1
     for s in range(steps):

@@ -15,7 +15,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from _dist import shared_mesh
 from _full import full_parameters
-from _local_shards import reference_optimizer
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, LAYERS = 48, 32, 4, 86, 8, 2
 STEPS = 2
@@ -199,17 +198,11 @@ def optimizer(params, kind: str = "adamw") -> torch.optim.Optimizer:
 
 
 def train(
-    model: nn.Module,
-    mesh,
-    steps: int = STEPS,
-    kind: str = "adamw",
-    accumulate: bool = False,
-    local_reference: bool = True,
+    model: nn.Module, mesh, steps: int = STEPS, kind: str = "adamw", accumulate: bool = False
 ) -> list[float]:
     """Train ``steps`` steps; with ``accumulate`` each step is two micro-batches of one
-    sample, the first without gradient sync. torch FSDP2's models step on their local shards
-    (``_local_shards``) unless ``local_reference`` is false."""
-    opt = reference_optimizer(model, lambda ps: optimizer(ps, kind), local_reference)
+    sample, the first without gradient sync."""
+    opt = optimizer(model.parameters(), kind)
     losses = []
     for s in range(steps):
         x, y = batch(s, dp_rank(mesh))

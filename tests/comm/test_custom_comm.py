@@ -13,7 +13,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from _dist import World, shared_mesh
 from _fully_shard_helpers import CFG, _all_equal, _full_params, _max_abs, _optimizer
-from _local_shards import reference_optimizer
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from functional_fsdp._compat import HAS_REDUCE_SCATTER_MAX_INPUT_BUFFERS
@@ -127,7 +126,7 @@ def _fsdp_modules(model: nn.Module) -> list[Any]:
 
 
 def _train(model: nn.Module, steps: int = STEPS, micro: int = 1, hsdp: bool = False) -> list:
-    opt = reference_optimizer(model, lambda ps: _optimizer(ps, "adamw"))  # FSDP2's: local
+    opt = _optimizer(model.parameters(), "adamw")
     losses = []
     for s in range(steps):
         total = 0.0

@@ -25,7 +25,6 @@ from typing import Any
 import pytest
 import torch
 from _dist import shared_mesh
-from _local_shards import reference_optimizer
 
 pytestmark = pytest.mark.multiprocess
 
@@ -169,9 +168,7 @@ def _train(
     ``evaluate``: a forward under ``no_grad`` before each step)."""
     mesh, rank = _mesh(n)
     model = _model(layout, mesh, impl, **kw)
-    opt = reference_optimizer(  # FSDP2's on its local shards
-        model, lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.1)
-    )
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     out: dict[str, Any] = {"tied": model.head.weight is model.tok.weight, "reductions": []}
     for step in range(steps):
         x, y = (_mine(t, rank, n) for t in _batch(step))

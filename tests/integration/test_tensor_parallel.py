@@ -246,24 +246,3 @@ def test_compressed_reduction_on_2d(world4):
         exact, comp = res["exact"], res["compressed"]
         assert exact != comp and max(abs(a - b) for a, b in zip(exact, comp)) < 0.02, res
         assert res["residuals"] and all(res["residuals"]), res
-
-
-def case_local_reference() -> dict[str, bool]:
-    """torch FSDP2 + TP trained twice, its optimizer stepping on DTensors and on the local
-    shards (the reference the other cases use): the same bits."""
-    mesh = world_mesh()
-    out = {}
-    for recipe, sp in (("fp32", True), ("bf16", False)):
-        runs = []
-        for local in (False, True):
-            model = build("torch", mesh, recipe=recipe, sp=sp)
-            losses = train(model, mesh, local_reference=local)
-            runs.append((losses, full_params(model)))
-        (la, pa), (lb, pb) = runs
-        out[recipe] = la == lb and all(torch.equal(pa[k], pb[k]) for k in pa)
-    return out
-
-
-def test_the_local_shard_reference_is_fsdp2s_dtensor_step(world4) -> None:
-    for r in world4.run(case_local_reference):
-        assert r == {"fp32": True, "bf16": True}, r
