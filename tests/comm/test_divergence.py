@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Callable
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -192,8 +193,6 @@ def _slow_peer(sleep_s: float) -> dict[str, Any]:
     check's and, set to 2 s here, the watchdog's idle peer's): rank 0 waits at the same
     collectives, which is no mismatch; the step equals the reference."""
     cfg, model, ref, opt = _models()
-    grace = os.environ.get("FFSDP_PEER_IDLE_GRACE")
-    os.environ["FFSDP_PEER_IDLE_GRACE"] = "2"
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     rank = dist.get_rank()
 
@@ -203,14 +202,11 @@ def _slow_peer(sleep_s: float) -> dict[str, Any]:
     handle = model.blocks[1].register_forward_pre_hook(nap) if rank == 1 else None
     t0 = time.monotonic()
     try:
-        losses = [_step(model, opt, _batch(cfg, rank, step)) for step in (0, 1)]
+        with mock.patch.dict(os.environ, {"FFSDP_PEER_IDLE_GRACE": "2"}):
+            losses = [_step(model, opt, _batch(cfg, rank, step)) for step in (0, 1)]
     finally:
         if handle is not None:
             handle.remove()
-        if grace is None:
-            del os.environ["FFSDP_PEER_IDLE_GRACE"]
-        else:
-            os.environ["FFSDP_PEER_IDLE_GRACE"] = grace
     seconds = time.monotonic() - t0
     want = [_ref_step(cfg, ref, ref_opt, step) for step in (0, 1)]
     return {"losses": losses, "want": want, "seconds": seconds}

@@ -219,9 +219,9 @@ def agree_on_run(
     whether it reads a parameter), whether it holds on any rank.
 
     One max all-reduce per ``(mesh, dim)`` of ``mesh_dims`` compares the digests and carries
-    the flags. Only
-    where the digests differ, each rank publishes its collectives under ``key`` (unique to
-    this run, the same on every rank) and compares them with every rank of ``ranks``.
+    the flags. Only where the digests differ, each rank publishes its collectives under
+    ``key`` (unique to this run, the same on every rank) and compares them with every rank of
+    ``ranks``.
 
     Raises :class:`CollectiveMismatchError` on every rank, naming the first difference, when
     the ranks' collectives differ; :class:`CollectiveTimeoutError` when a rank did not publish

@@ -219,7 +219,7 @@ def _record(beat: int, exited: bool = False, asked: bool = False) -> str:
             if wait is None
             else {"what": _describe(wait[0]), "family": wait[1], "for_s": round(now - wait[2], 3)},
             "where": inner,
-            "outside": outside if wait is None else None,
+            "outside": outside,  # None while it waits: not read then
         }
     )
 
