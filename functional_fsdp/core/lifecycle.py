@@ -391,7 +391,22 @@ def _forward_ends(
     return _post_forward(attrs.evolve(p, forward_done=c.forward_users - 1), c, grad, force, keep)
 
 
-def _recompute(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
+def _recompute(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> Step:
+    if grad and c.trains and p.backward_uses >= p.grad_uses:
+        # No use whose forward recorded waits for its backward, yet this recompute records:
+        # its forward ran under no_grad (a reentrant checkpoint). As FSDP2 does, the
+        # recompute is a use of its own: autograd outputs whose backward (the checkpoint's
+        # inner one) reduces.
+        return (
+            attrs.evolve(
+                p,
+                storage=Storage.UNSHARDED,
+                grad_uses=p.grad_uses + 1,
+                tracked=True,
+                outputs_fresh=c.lends,
+            ),
+            (Act.WAIT_GATHER, Act.MAKE_OUTPUTS, *_registers(c)),
+        )
     return attrs.evolve(p, storage=Storage.UNSHARDED), (Act.WAIT_GATHER, Act.REGISTER_RECOMPUTE)
 
 

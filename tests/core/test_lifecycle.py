@@ -112,6 +112,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.held = False  # an explicit unshard() holds the full parameters
         self.lent_open = 0  # another group's uses of a tied weight, open now
         self.double_backward = False
+        self.no_grad_uses = 0  # uses run under no_grad whose recompute may still record
 
     # --------------------------------------------------------------- driving
 
@@ -143,6 +144,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             if Act.MAKE_OUTPUTS in self.ev(Event.PRE_FORWARD, grad=grad):
                 self.tracked_uses += 1
             assert self.shell.live and self.shell.registered == "full"
+        self.no_grad_uses += not grad
         for i in range(self.c.forward_users):
             self.ev(Event.POST_FORWARD)
             if i < self.c.forward_users - 1:
@@ -165,6 +167,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 self.tracked_uses += 1
             assert self.shell.live and self.shell.registered == "full"
             self.ev(Event.POST_FORWARD)
+        self.no_grad_uses += not grad
         self.ev(Event.FORWARD_ENDS)
         assert self.p.stage is Stage.IDLE, f"the root's forward end left {self.p}"
         assert self.shell.registered == "sharded", "a forward left the full parameters on"
@@ -184,7 +187,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.open_iteration = False
         self.tracked_uses = self.backwards_done = 0
         self.held = self.double_backward = False
-        self.lent_open = 0
+        self.lent_open = self.no_grad_uses = 0
         self.shell.closes = self.shell.reductions = 0
         self.shell.gathers = self.shell.frees = 0
 
@@ -233,6 +236,34 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     @precondition(
         lambda self: (
+            self.no_grad_uses > 0
+            and self.c.trains
+            and self.tracked_uses == self.backwards_done
+            and self.lent_open == 0
+            and self.p.stage in (Stage.IDLE, Stage.PRE_BACKWARD, Stage.POST_BACKWARD)
+        )
+    )
+    @rule()
+    def reentrant_recompute_and_its_backward(self) -> None:
+        """A reentrant checkpoint (``use_reentrant=True``) ran the forward under no_grad; in
+        the backward its recompute records and a nested backward reaches the parameters (no
+        pre-backward: the recompute's outputs get no hooks). The recompute is a use of its
+        own: its backward reduces, once, and closes it (as FSDP2's does). (A frozen group's
+        recompute registers what it has, as a non-reentrant one's: nothing reduces.)"""
+        acts = self.ev(Event.RECOMPUTE, grad=True)
+        assert self.shell.live and self.shell.registered == "full"
+        assert Act.MAKE_OUTPUTS in acts, f"a recording recompute with no use open: {acts}"
+        self.no_grad_uses -= 1
+        self.tracked_uses += 1
+        before = self.shell.reductions
+        closing = self.ev(Event.POST_BACKWARD)
+        self.backwards_done += 1
+        assert self.shell.reductions == before + 1, "the recompute's backward must reduce once"
+        assert Act.REDUCE_LAST in closing, f"the recompute's backward did not close: {closing}"
+        self.shell.closes -= 1  # its own use's, not the micro-batch's
+
+    @precondition(
+        lambda self: (
             self.tracked_uses > self.backwards_done
             and self.p.stage in (Stage.IDLE, Stage.PRE_BACKWARD, Stage.POST_BACKWARD)
         )
@@ -252,6 +283,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def final_callback(self, last: bool) -> None:
         """The backward is over (every use's, or only some of them)."""
         self.ev(Event.FINAL_CALLBACK, last=last)
+        self.no_grad_uses = 0
         assert self.p.stage is Stage.IDLE
         assert self.shell.registered == "sharded"
         assert self.p.grad_uses == self.p.backward_uses == 0
@@ -477,3 +509,21 @@ def test_the_root_resets_a_raised_iteration_before_the_next_forward(events: list
             assert q.interrupted and not acts
         assert q.order_recorded >= p.order_recorded  # once recorded, the order stays
         p = q
+
+
+def test_model_checking_catches_a_reentrant_recompute_without_a_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fourth seeded bug, the engine as it was: a recording recompute of a forward that ran
+    under no_grad (a reentrant checkpoint) registers the plain full tensors, so its backward
+    reaches no reduction (FSDP2 reduces it; its gradients were lost, then refused by name)."""
+
+    def registers_what_it_has(p: Phase, c: LifecycleConfig, *rest: bool) -> L.Step:
+        return attrs.evolve(p, storage=Storage.UNSHARDED), (
+            Act.WAIT_GATHER,
+            Act.REGISTER_RECOMPUTE,
+        )
+
+    monkeypatch.setitem(L._HANDLERS, Event.RECOMPUTE, registers_what_it_has)
+    with pytest.raises(AssertionError, match="a recording recompute with no use open"):
+        _hunt()

@@ -255,6 +255,8 @@ class FSDPState:
             self.reset()
         if _in_backward():
             # Activation-checkpoint recompute: only make sure the parameters are unsharded.
+            for use in self.tied:
+                use.refuse_reentrant()
             if g is not None:
                 g.unshard_for_recompute()
             for use in self.tied:

@@ -34,7 +34,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ...core import transitions as T
 from ...core._tree import tree_map
 from ...core.comm import Communicator, coalesces, scoped_view
-from ...core.errors import ReproducibilityError, UnsupportedError
+from ...core.errors import ReproducibilityError
 from ...core.lifecycle import Act, Event, LifecycleConfig, Phase, advance
 from ...core.plan import SharingFacts, gathers_together
 from ...core.records import (
@@ -634,18 +634,6 @@ class ParamGroup(GroupGradients, GroupLending):
 
     def _register_recompute(self) -> None:
         outputs = self._registered_outputs()
-        if (
-            outputs is not None
-            and torch.is_grad_enabled()
-            and self._trains
-            and not any(o.requires_grad for o in outputs)
-        ):
-            # The forward ran under no_grad and its recompute records: a reentrant checkpoint.
-            raise UnsupportedError(
-                f"group {self.name!r}: an activation checkpoint recomputes a forward that ran "
-                "under no_grad (torch.utils.checkpoint(..., use_reentrant=True)); its gradients "
-                "would be lost. Pass use_reentrant=False (or use the composable checkpoint)"
-            )
         if outputs is None and torch.is_grad_enabled() and self._trains:
             # The forward's outputs are gone: another forward and backward through this group
             # ran between the checkpointed forward and its backward (and its end forgot them).
@@ -696,7 +684,7 @@ class ParamGroup(GroupGradients, GroupLending):
     def unshard_for_recompute(self) -> None:
         """A forward inside backward (activation-checkpoint recompute): only make sure the
         full parameters are on the modules (this forward's outputs, else the buffer's views)."""
-        self._carry_out(self._event(Event.RECOMPUTE))
+        self._carry_out(self._event(Event.RECOMPUTE, grad=torch.is_grad_enabled()))
 
     def post_forward(self, *, force_reshard: bool = False, keep: bool = False) -> None:
         """A module of this group finished its forward; after the last one, reshard as

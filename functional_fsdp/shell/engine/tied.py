@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ...core.errors import TiedParameterError
+from ...core.errors import TiedParameterError, UnsupportedError
 from ...core.lifecycle import Event
 from .autograd import UseFn
 from .functional_path import GatherCall, check_sources, registered_sources
@@ -189,6 +189,26 @@ class TiedUse:
         self.owner.lent_live()
         if self.full is not None:
             self.register(self.full)
+
+    def refuse_reentrant(self) -> None:
+        """Raise before the recompute gathers anything when it records but this forward's
+        tensor does not (the forward ran under ``no_grad``: a reentrant checkpoint), and the
+        weight trains: a use of a tied weight is not made again in a recompute, so its
+        gradient would be lost."""
+        full = self.full
+        if (
+            torch.is_grad_enabled()
+            and full is not None
+            and not full.requires_grad
+            and self.param.sharded.requires_grad
+        ):
+            raise UnsupportedError(
+                f"{self.name} is tied to {self.param.fqn!r} of {self.owner.name}, and an "
+                "activation checkpoint recomputes its forward, which ran under no_grad "
+                "(torch.utils.checkpoint(..., use_reentrant=True)): a reentrant checkpoint is "
+                "supported around modules that hold no tied weight; pass use_reentrant=False "
+                "(or use the composable checkpoint) here"
+            )
 
     def recompute(self) -> None:
         """An activation-checkpoint recompute: this forward's tensor again, its data live."""
