@@ -188,6 +188,10 @@ class Event(enum.Enum):
     POST_FORWARD = "a module of the group finished its forward"
     FORWARD_ENDS = "the root's forward ended"
     RECOMPUTE = "a forward inside backward (activation-checkpoint recompute)"
+    REENTRANT_RECOMPUTE = (
+        "a recording forward inside backward of a module whose forwards all ran under no_grad "
+        "(a reentrant activation checkpoint's recompute)"
+    )
     PRE_BACKWARD = "the backward reaches the group's outputs"
     PREFETCH_FOR_BACKWARD = "another group's backward prefetches this one"
     POST_BACKWARD = "the backward reaches the parameters (gradients into .grad)"
@@ -391,23 +395,26 @@ def _forward_ends(
     return _post_forward(attrs.evolve(p, forward_done=c.forward_users - 1), c, grad, force, keep)
 
 
-def _recompute(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> Step:
-    if grad and c.trains and p.backward_uses >= p.grad_uses:
-        # No use whose forward recorded waits for its backward, yet this recompute records:
-        # its forward ran under no_grad (a reentrant checkpoint). As FSDP2 does, the
-        # recompute is a use of its own: autograd outputs whose backward (the checkpoint's
-        # inner one) reduces.
-        return (
-            attrs.evolve(
-                p,
-                storage=Storage.UNSHARDED,
-                grad_uses=p.grad_uses + 1,
-                tracked=True,
-                outputs_fresh=c.lends,
-            ),
-            (Act.WAIT_GATHER, Act.MAKE_OUTPUTS, *_registers(c)),
-        )
+def _recompute(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
     return attrs.evolve(p, storage=Storage.UNSHARDED), (Act.WAIT_GATHER, Act.REGISTER_RECOMPUTE)
+
+
+def _reentrant_recompute(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
+    if not c.trains:
+        return _recompute(p, c)
+    # The module's forward ran under no_grad (a reentrant checkpoint), so it made no use whose
+    # backward reduces. As FSDP2 runs it, the recompute is a use of its own: autograd outputs
+    # whose backward (the checkpoint's nested one) reduces and closes it.
+    return (
+        attrs.evolve(
+            p,
+            storage=Storage.UNSHARDED,
+            grad_uses=p.grad_uses + 1,
+            tracked=True,
+            outputs_fresh=c.lends,
+        ),
+        (Act.WAIT_GATHER, Act.MAKE_OUTPUTS, *_registers(c)),
+    )
 
 
 def _pre_backward(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
@@ -615,6 +622,7 @@ _HANDLERS: Final[dict[Event, _Handler]] = {
     Event.POST_FORWARD: _post_forward,
     Event.FORWARD_ENDS: _forward_ends,
     Event.RECOMPUTE: _recompute,
+    Event.REENTRANT_RECOMPUTE: _reentrant_recompute,
     Event.PRE_BACKWARD: _pre_backward,
     Event.PREFETCH_FOR_BACKWARD: _prefetch_for_backward,
     Event.POST_BACKWARD: _post_backward,

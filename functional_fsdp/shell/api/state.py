@@ -86,6 +86,11 @@ class FSDPState:
         # functional forward in progress, by group.
         self.tied: list[TiedUse] = []
         self.lent_calls: dict[int, LentCall] = {}
+        # This iteration's forwards of this state's modules, by module id: bit 1 when one ran
+        # under no_grad, bit 2 when one recorded. A recording recompute of a module whose
+        # forwards all ran under no_grad is a reentrant checkpoint's (the life cycle's
+        # REENTRANT_RECOMPUTE); the root's forward clears it.
+        self.forward_grads: dict[int, int] = {}
         # The bucket size of the communication schedule (the root's governs; None: the
         # default), and the root's schedule, derived after its first forward (buckets.py).
         self.bucket_bytes: int | None = None
@@ -258,7 +263,8 @@ class FSDPState:
             for use in self.tied:
                 use.refuse_reentrant()
             if g is not None:
-                g.unshard_for_recompute()
+                reentrant = torch.is_grad_enabled() and self.forward_grads.get(id(module)) == 1
+                g.unshard_for_recompute(reentrant=reentrant)
             for use in self.tied:
                 use.recompute()
             return args, kwargs
@@ -269,9 +275,13 @@ class FSDPState:
         if self.is_root and RootAct.START_ITERATIONS in root._root_event(RootEvent.FORWARD_BEGINS):
             restore_raised()  # an optimizer step that raised since the last forward
             for s in root.all_states:
+                s.forward_grads.clear()
                 if s.group is not None:
                     s.group.start_iteration()
             self._wait_post_optim_event()
+        self.forward_grads[id(module)] = self.forward_grads.get(id(module), 0) | (
+            2 if torch.is_grad_enabled() else 1
+        )
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast_floats((args, kwargs), self.mp_policy.param_dtype)
         if not root.order_recorded:

@@ -34,7 +34,7 @@ from torch.distributed.tensor.placement_types import Placement
 from ...core import transitions as T
 from ...core._tree import tree_map
 from ...core.comm import Communicator, coalesces, scoped_view
-from ...core.errors import ReproducibilityError
+from ...core.errors import ReproducibilityError, UnsupportedError
 from ...core.lifecycle import Act, Event, LifecycleConfig, Phase, advance
 from ...core.plan import SharingFacts, gathers_together
 from ...core.records import (
@@ -634,6 +634,20 @@ class ParamGroup(GroupGradients, GroupLending):
 
     def _register_recompute(self) -> None:
         outputs = self._registered_outputs()
+        if (
+            outputs is not None
+            and torch.is_grad_enabled()
+            and self._trains
+            and not any(o.requires_grad for o in outputs)
+        ):
+            # A recording recompute of a module whose forwards did not all run under no_grad,
+            # on full tensors that do not record: which forward it repeats is not known here.
+            raise UnsupportedError(
+                f"group {self.name!r}: an activation checkpoint recomputes a forward that ran "
+                "under no_grad (torch.utils.checkpoint(..., use_reentrant=True)) in a module "
+                "that also ran with grad in this iteration; its gradients would be lost. Pass "
+                "use_reentrant=False (or use the composable checkpoint) for this module"
+            )
         if outputs is None and torch.is_grad_enabled() and self._trains:
             # The forward's outputs are gone: another forward and backward through this group
             # ran between the checkpointed forward and its backward (and its end forgot them).
@@ -681,10 +695,12 @@ class ParamGroup(GroupGradients, GroupLending):
             self._event(Event.PRE_FORWARD, grad=torch.is_grad_enabled()), prefetch, together
         )
 
-    def unshard_for_recompute(self) -> None:
+    def unshard_for_recompute(self, *, reentrant: bool = False) -> None:
         """A forward inside backward (activation-checkpoint recompute): only make sure the
-        full parameters are on the modules (this forward's outputs, else the buffer's views)."""
-        self._carry_out(self._event(Event.RECOMPUTE, grad=torch.is_grad_enabled()))
+        full parameters are on the modules (this forward's outputs, else the buffer's views).
+        ``reentrant``: the module's forwards all ran under no_grad and this one records (a
+        reentrant checkpoint): the recompute is a use of its own, whose backward reduces."""
+        self._carry_out(self._event(Event.REENTRANT_RECOMPUTE if reentrant else Event.RECOMPUTE))
 
     def post_forward(self, *, force_reshard: bool = False, keep: bool = False) -> None:
         """A module of this group finished its forward; after the last one, reshard as
