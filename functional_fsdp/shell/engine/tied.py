@@ -205,9 +205,10 @@ class TiedUse:
             raise UnsupportedError(
                 f"{self.name} is tied to {self.param.fqn!r} of {self.owner.name}, and an "
                 "activation checkpoint recomputes its forward, which ran under no_grad "
-                "(torch.utils.checkpoint(..., use_reentrant=True)): a reentrant checkpoint is "
-                "supported around modules that hold no tied weight; pass use_reentrant=False "
-                "(or use the composable checkpoint) here"
+                "(torch.utils.checkpoint(..., use_reentrant=True)), as the owner's did: a "
+                "reentrant checkpoint around a tied weight's use needs the owner's forward to "
+                "record (outside the checkpoint); else pass use_reentrant=False (or use the "
+                "composable checkpoint) here"
             )
 
     def recompute(self) -> None:
