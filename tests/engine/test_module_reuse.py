@@ -466,11 +466,10 @@ def test_a_reentrant_checkpoint_trains_like_one_process(world2) -> None:
     _check(world2.run(case_module_reuse, cfgs)[0], cfgs)
 
 
-def case_reentrant_after_a_recorded_use() -> str:
-    """rep called twice: once plainly (recording), then under a reentrant checkpoint: the
-    error's message."""
+def case_refused(cfg: dict[str, Any]) -> str:
+    """One training step of ``cfg`` that a check refuses: the error's message (every rank
+    raises it at the same point of its backward), after ``reset_iter_state()``."""
     torch.manual_seed(0)
-    cfg = {"uses": 2, "reentrant": True, "reentrant_from": 1}
     model = _model(cfg)
     _shard(model, cfg)
     try:
@@ -482,33 +481,21 @@ def case_reentrant_after_a_recorded_use() -> str:
 
 
 def test_a_reentrant_checkpoint_of_a_module_that_also_recorded_is_refused_by_name(world2) -> None:
-    """A module whose forwards did not all run under no_grad: which forward a recompute repeats
-    is not known, so a recompute that would record on plain full tensors is refused by name
-    (not trained with part of the gradient lost)."""
-    for msg in world2.run(case_reentrant_after_a_recorded_use):
+    """rep called twice, plainly (recording), then under a reentrant checkpoint: a module whose
+    forwards did not all run under no_grad, so which forward a recompute repeats is not known,
+    and a recompute that would record on plain full tensors is refused by name (not trained
+    with part of the gradient lost)."""
+    cfg = {"uses": 2, "reentrant": True, "reentrant_from": 1}
+    for msg in world2.run(case_refused, cfg):
         assert msg.startswith("UnsupportedError") and "use_reentrant=False" in msg, msg
 
 
-def case_reentrant_tied_use() -> str:
-    """The owner (rep) and the borrowing module (mid) both under a reentrant checkpoint: the
-    error's message (every rank raises it at the same point of its backward)."""
-    torch.manual_seed(0)
-    cfg = {"uses": 2, "reentrant": True, "reentrant_mid": True, "tie": True}
-    model = _model(cfg)
-    _shard(model, cfg)
-    try:
-        _loss(model, _batches()[0].chunk(dist.get_world_size())[dist.get_rank()]).backward()
-    except Exception as e:
-        model.reset_iter_state()  # type: ignore[operator]
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def test_a_reentrant_checkpoint_around_a_tied_weights_use_is_refused_by_name(world2) -> None:
-    """Where both the owner's forward and the borrowing module's ran under no_grad, the
-    borrower's recompute would record on the owner's plain full tensor: its gradient was lost
-    (0.10 off on a 3-block test net). Refused by name before the recompute gathers anything."""
-    for msg in world2.run(case_reentrant_tied_use):
+    """The owner (rep) and the borrowing module (mid) both under a reentrant checkpoint: the
+    borrower's recompute would record on the owner's plain full tensor and its gradient was
+    lost (0.10 off on a 3-block test net). Refused by name before the recompute gathers."""
+    cfg = {"uses": 2, "reentrant": True, "reentrant_mid": True, "tie": True}
+    for msg in world2.run(case_refused, cfg):
         assert msg.startswith("UnsupportedError") and "use_reentrant=False" in msg, msg
         assert "tied to" in msg, msg
 
