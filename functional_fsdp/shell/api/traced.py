@@ -474,7 +474,7 @@ class TracedModel:
                 b,
                 _bucket_gather([traces[i] for i in members]),
                 [(starts[i], traces[i].layout) for i in members],
-                tuple(members),
+                [t for i in members for t in self._targets[i]],
             )
             for i in members:
                 for m in model.modules():
@@ -497,7 +497,7 @@ class TracedModel:
         b: int,
         gather: Callable[..., tuple[torch.Tensor, ...]],
         shards: list[tuple[int, GroupLayout]],
-        members: tuple[int, ...],
+        targets: list[Any],
         module: nn.Module,
         args: Any,
     ) -> None:
@@ -517,7 +517,6 @@ class TracedModel:
             full = gather(*flats, sinks=mine)
         else:
             full = gather(*flats)
-        targets = [t for i in members for t in self._targets[i]]
         for holders, v in zip(targets, full):
             for k, attr in holders:
                 setattr(self._holding[k], attr, v)
