@@ -150,6 +150,12 @@ class Phase:
         grad_uses: this micro-batch's uses whose backward reduces (a module called twice
             makes two).
         backward_uses: how many of those backwards ran (the last closes the micro-batch).
+        no_grad_uses: this micro-batch's forwards of the group's modules under ``no_grad``
+            while something trains (a reentrant checkpoint's: each may be recomputed, and
+            become a use, in the backward).
+        recomputed: how many of those were recomputed (``REENTRANT_RECOMPUTE``) so far.
+        holding: a use's gradients are held (``HOLD_USE``) for a use still to come; the
+            final callback lands them when none came.
         keep_for_double_backward: a ``create_graph=True`` backward keeps the full parameters.
         lent_open: other groups' uses of a tied weight that are open now.
         own_open: a lending group's own use is open until its backward.
@@ -167,6 +173,9 @@ class Phase:
     ran_post_backward: bool = False
     grad_uses: int = 0
     backward_uses: int = 0
+    no_grad_uses: int = 0
+    recomputed: int = 0
+    holding: bool = False
     keep_for_double_backward: bool = False
     lent_open: int = 0
     own_open: bool = False
@@ -321,6 +330,9 @@ def _start_iteration(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
             ran_forward=False,
             grad_uses=0,
             backward_uses=0,
+            no_grad_uses=0,
+            recomputed=0,
+            holding=False,
             outputs_fresh=False,
             lent_open=0,
         ),
@@ -333,9 +345,11 @@ def _registers(c: LifecycleConfig) -> tuple[Act, ...]:
 
 
 def _pre_forward(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> Step:
+    no_grad_uses = p.no_grad_uses + (c.trains and not grad)
     if c.forward_users > 1 and p.stage is Stage.FORWARD:
         if p.tracked or not (grad and c.trains):
-            return p, _NONE  # another module of the group already unsharded this forward
+            # Another module of the group already unsharded this forward.
+            return attrs.evolve(p, no_grad_uses=no_grad_uses), _NONE
         # The modules before this one ran under no_grad (plain views): this one records.
         return (
             attrs.evolve(p, grad_uses=p.grad_uses + 1, tracked=True, outputs_fresh=c.lends),
@@ -358,6 +372,7 @@ def _pre_forward(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> Step:
             storage=Storage.UNSHARDED,
             forward_done=0,
             grad_uses=grad_uses,
+            no_grad_uses=no_grad_uses,
             outputs_fresh=fresh,
             tracked=tracked,
         ),
@@ -404,12 +419,14 @@ def _reentrant_recompute(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
         return _recompute(p, c)
     # The module's forward ran under no_grad (a reentrant checkpoint), so it made no use whose
     # backward reduces. As FSDP2 runs it, the recompute is a use of its own: autograd outputs
-    # whose backward (the checkpoint's nested one) reduces and closes it.
+    # whose backward (the checkpoint's nested one) reduces it; it closes the uses unless
+    # another no_grad forward of the group may still be recomputed (see _closes).
     return (
         attrs.evolve(
             p,
             storage=Storage.UNSHARDED,
             grad_uses=p.grad_uses + 1,
+            recomputed=p.recomputed + 1,
             tracked=True,
             outputs_fresh=c.lends,
         ),
@@ -432,6 +449,17 @@ def _prefetch_for_backward(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
     return p, (Act.START_GATHER,)
 
 
+def _closes(p: Phase, uses: int) -> bool:
+    """Whether the backward of use number ``uses`` closes the micro-batch's uses (reduces what
+    they hold): every use made so far has had its backward, and no reentrant recompute is
+    still to come. That is known only once one came: a group whose no_grad forwards were
+    recomputed in part (a module checkpointed reentrantly twice: the later checkpoint's
+    recompute and nested backward run first) holds until the others' (or the final callback,
+    which closes what a no_grad forward that never recomputes left held). A no_grad forward
+    with no recompute so far (a plain ``no_grad`` use) holds nothing back."""
+    return uses >= p.grad_uses and not 0 < p.recomputed < p.no_grad_uses
+
+
 def _post_backward(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
     uses = p.backward_uses + 1
     storage, acts = p.storage, _NONE
@@ -441,7 +469,8 @@ def _post_backward(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
         if not p.lent_open:
             storage, acts = Storage.SHARDED, _free(storage)
         acts += (Act.REGISTER_SHARDED,)
-    acts += (Act.REDUCE_LAST if uses >= p.grad_uses else Act.HOLD_USE,)
+    closes = _closes(p, uses)
+    acts += (Act.REDUCE_LAST if closes else Act.HOLD_USE,)
     return (
         attrs.evolve(
             p,
@@ -449,6 +478,7 @@ def _post_backward(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
             storage=storage,
             ran_post_backward=True,
             backward_uses=uses,
+            holding=not closes,
         ),
         acts,
     )
@@ -479,8 +509,9 @@ def _returned_backward(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> St
 def _final_callback(
     p: Phase, c: LifecycleConfig, grad: bool, force: bool, keep: bool, last: bool, *_: bool
 ) -> Step:
-    # A use's backward never ran: land what the others held.
-    acts: tuple[Act, ...] = (Act.CLOSE_USES,) if 0 < p.backward_uses < p.grad_uses else ()
+    # A use's backward (or a reentrant recompute) never ran: land what the others held. (A
+    # backward under torch.autograd.grad reduces its own gradients and lands nothing held.)
+    acts: tuple[Act, ...] = (Act.CLOSE_USES,) if p.holding else ()
     if last:
         # Otherwise (gradient accumulation) the reduction overlaps the next micro-batch; the
         # group's next reduction or the last backward's callback finishes it.
@@ -502,6 +533,9 @@ def _final_callback(
             storage=storage,
             grad_uses=0,
             backward_uses=0,
+            no_grad_uses=0,
+            recomputed=0,
+            holding=False,
             lent_open=0,
             own_open=False,
             keep_for_double_backward=False,

@@ -74,6 +74,7 @@ class Shell:
     registered: str = "sharded"
     reductions: int = 0  # reductions issued in this backward
     closes: int = 0  # REDUCE_LAST in this micro-batch
+    holding: bool = False  # a use's gradients are held (HOLD_USE) and not yet reduced
     log: list[str] = attrs.Factory(list)
 
     def carry_out(self, acts: tuple[Act, ...], *, strict: bool = True) -> None:
@@ -91,11 +92,18 @@ class Shell:
                 self.registered = "sharded"
             elif a in FULL_REGISTERING:
                 self.registered = "full"
-            elif a in (Act.HOLD_USE, Act.REDUCE_RETURNED):
+            elif a is Act.HOLD_USE:
+                self.reductions += 1
+                self.holding = True
+            elif a is Act.REDUCE_RETURNED:
                 self.reductions += 1
             elif a is Act.REDUCE_LAST:
                 self.reductions += 1
                 self.closes += 1
+                self.holding = False
+            elif a is Act.CLOSE_USES:
+                self.closes += self.holding
+                self.holding = False
 
 
 class LifecycleMachine(RuleBasedStateMachine):
@@ -112,7 +120,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.held = False  # an explicit unshard() holds the full parameters
         self.lent_open = 0  # another group's uses of a tied weight, open now
         self.double_backward = False
-        self.no_grad_uses = 0  # uses run under no_grad whose recompute may still record
+        self.no_grad_uses = 0  # modules' forwards under no_grad whose recompute may still record
+        self.recomputed = 0  # reentrant recomputes in this micro-batch
 
     # --------------------------------------------------------------- driving
 
@@ -144,7 +153,7 @@ class LifecycleMachine(RuleBasedStateMachine):
             if Act.MAKE_OUTPUTS in self.ev(Event.PRE_FORWARD, grad=grad):
                 self.tracked_uses += 1
             assert self.shell.live and self.shell.registered == "full"
-        self.no_grad_uses += not grad
+        self.no_grad_uses += self.c.forward_users * (not grad)
         for i in range(self.c.forward_users):
             self.ev(Event.POST_FORWARD)
             if i < self.c.forward_users - 1:
@@ -167,7 +176,7 @@ class LifecycleMachine(RuleBasedStateMachine):
                 self.tracked_uses += 1
             assert self.shell.live and self.shell.registered == "full"
             self.ev(Event.POST_FORWARD)
-        self.no_grad_uses += not grad
+        self.no_grad_uses += runs * (not grad)
         self.ev(Event.FORWARD_ENDS)
         assert self.p.stage is Stage.IDLE, f"the root's forward end left {self.p}"
         assert self.shell.registered == "sharded", "a forward left the full parameters on"
@@ -187,8 +196,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.open_iteration = False
         self.tracked_uses = self.backwards_done = 0
         self.held = self.double_backward = False
-        self.lent_open = self.no_grad_uses = 0
+        self.lent_open = self.no_grad_uses = self.recomputed = 0
         self.shell.closes = self.shell.reductions = 0
+        self.shell.holding = False
         self.shell.gathers = self.shell.frees = 0
 
     @precondition(lambda self: self.p.stage is not Stage.SUMMON_FULL_PARAMS)
@@ -228,7 +238,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.ev(Event.POST_BACKWARD)
         self.backwards_done += 1
         assert self.shell.reductions == before + 1, "a use's backward must reduce once"
-        last = self.backwards_done == self.tracked_uses
+        last = self.backwards_done == self.tracked_uses and not self._recompute_to_come()
         assert self.shell.closes == (1 if last else 0), (
             f"{self.shell.closes} closing reductions after {self.backwards_done} of "
             f"{self.tracked_uses} uses"
@@ -251,21 +261,29 @@ class LifecycleMachine(RuleBasedStateMachine):
         recompute is a use of its own, as FSDP2's: its backward reduces once, and closes the
         uses when no other use's backward is pending (else the last one's closes them all).
         (A frozen group's recompute registers what it has: nothing reduces.)"""
+        if self.backwards_done == self.tracked_uses:
+            self.shell.closes = 0  # the uses so far are closed; this recompute opens anew
         acts = self.ev(Event.REENTRANT_RECOMPUTE)
         assert self.shell.live and self.shell.registered == "full"
         assert Act.MAKE_OUTPUTS in acts, f"a recording recompute with no use of its own: {acts}"
         self.no_grad_uses -= 1
+        self.recomputed += 1
         self.tracked_uses += 1
         before = self.shell.reductions
         self.ev(Event.POST_BACKWARD)
         self.backwards_done += 1
         assert self.shell.reductions == before + 1, "the recompute's backward must reduce once"
-        last = self.backwards_done == self.tracked_uses
+        last = self.backwards_done == self.tracked_uses and not self._recompute_to_come()
         assert self.shell.closes == (1 if last else 0), (
             f"{self.shell.closes} closing reductions after {self.backwards_done} of "
             f"{self.tracked_uses} uses"
         )
         self.shell.closes = 0  # the uses so far are closed; a later recompute opens anew
+
+    def _recompute_to_come(self) -> bool:
+        """A reentrant recompute came and another no_grad forward may still be recomputed:
+        the uses stay open (one reduction for all, not one per recompute)."""
+        return self.recomputed > 0 and self.no_grad_uses > 0
 
     @precondition(
         lambda self: (
@@ -288,7 +306,8 @@ class LifecycleMachine(RuleBasedStateMachine):
     def final_callback(self, last: bool) -> None:
         """The backward is over (every use's, or only some of them)."""
         self.ev(Event.FINAL_CALLBACK, last=last)
-        self.no_grad_uses = 0
+        self.no_grad_uses = self.recomputed = 0
+        assert not self.shell.holding, "the backward ended with a use's gradients held"
         assert self.p.stage is Stage.IDLE
         assert self.shell.registered == "sharded"
         assert self.p.grad_uses == self.p.backward_uses == 0
@@ -414,6 +433,51 @@ def test_module_called_twice_reduces_each_use_and_closes_on_the_last() -> None:
         acts.append(a)
     assert p.grad_uses == 2 and p.backward_uses == 2
     assert Act.HOLD_USE in acts[6] and Act.REDUCE_LAST in acts[8]
+
+
+def _run(c: LifecycleConfig, events: list[tuple[Event, dict[str, bool]]]) -> list[tuple[Act, ...]]:
+    p, acts = Phase(), []
+    for e, kw in events:
+        p, a = L.advance(p, e, c, **kw)
+        acts.append(a)
+    assert (p.grad_uses, p.backward_uses, p.no_grad_uses, p.recomputed) == (0, 0, 0, 0), p
+    assert not p.holding and p.stage is Stage.IDLE
+    return acts
+
+
+def test_a_module_checkpointed_reentrantly_twice_reduces_once() -> None:
+    """Two no_grad forwards, both recomputed in the backward (the later checkpoint's first):
+    the first recompute's backward holds, the second's closes, and nothing is left to land."""
+    forward = [(Event.PRE_FORWARD, {"grad": False}), (Event.POST_FORWARD, {})]
+    recompute = [(Event.REENTRANT_RECOMPUTE, {}), (Event.POST_BACKWARD, {})]
+    acts = _run(
+        LifecycleConfig(),
+        [(Event.START_ITERATION, {}), *forward, *forward, *recompute, *recompute]
+        + [(Event.FINAL_CALLBACK, {})],
+    )
+    assert Act.HOLD_USE in acts[6] and Act.REDUCE_LAST in acts[8]
+    assert Act.CLOSE_USES not in acts[9]
+
+
+def test_gradients_held_for_a_use_the_backward_skipped_are_landed() -> None:
+    """A module called twice; one use's backward holds, the other's ran under
+    torch.autograd.grad (it reduces its own): the final callback lands what was held. (The
+    model-checking found this: the callback counted uses and saw none missing.) With a no_grad
+    forward that never recomputes, the same."""
+    twice = [(Event.PRE_FORWARD, {"grad": True}), (Event.POST_FORWARD, {})] * 2
+    acts = _run(
+        LifecycleConfig(),
+        [(Event.START_ITERATION, {}), *twice, (Event.PRE_BACKWARD, {}), (Event.POST_BACKWARD, {})]
+        + [(Event.PRE_BACKWARD, {}), (Event.RETURNED_BACKWARD, {}), (Event.FINAL_CALLBACK, {})],
+    )
+    assert Act.HOLD_USE in acts[6] and Act.CLOSE_USES in acts[9]
+    no_grad = [(Event.PRE_FORWARD, {"grad": False}), (Event.POST_FORWARD, {})] * 2
+    acts = _run(
+        LifecycleConfig(),
+        [(Event.START_ITERATION, {}), *no_grad, (Event.REENTRANT_RECOMPUTE, {})]
+        + [(Event.POST_BACKWARD, {}), (Event.FINAL_CALLBACK, {})],
+    )
+    assert Act.HOLD_USE in acts[6] and Act.CLOSE_USES in acts[7]
 
 
 def test_illegal_event_names_the_group_the_stage_and_the_fix() -> None:

@@ -462,6 +462,11 @@ def test_a_reentrant_checkpoint_trains_like_one_process(world2) -> None:
         # A use under no_grad that is not checkpointed, then a checkpointed one.
         {"uses": 2, "reentrant": True, "no_grad_first": True},
         {"uses": 1, "reentrant": True, "reproducible": 2},
+        # Checkpointed twice and three times: the recomputes' uses close together (one
+        # reduction), so ReproduciblePolicy sums them as one micro-batch's (it raised once:
+        # each nested backward reduced as a micro-batch would).
+        {"uses": 2, "reentrant": True, "reproducible": 2},
+        {"uses": 3, "reentrant": True, "reproducible": 4, "micro": 2, "raf": False},
     ]
     _check(world2.run(case_module_reuse, cfgs)[0], cfgs)
 
@@ -533,6 +538,7 @@ def test_reused_module_under_reproducible_policy_is_the_same_on_one_and_two_rank
         {"uses": 2, "reproducible": 2},
         {"uses": 3, "reproducible": 4, "raf": False},
         {"uses": 2, "reproducible": 4, "bucket_bytes": 0},
+        {"uses": 2, "reproducible": 4, "reentrant": True},
     ):
         one = world2.run(case_reproducible_reuse, 1, cfg)[0]
         two = world2.run(case_reproducible_reuse, 2, cfg)[0]
