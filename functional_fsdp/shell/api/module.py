@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -44,14 +45,23 @@ __all__ = [
 ]
 
 
+# One FSDP<Class> per class, as FSDP2 makes them: torch.compile guards a module's forward on
+# its type, so a class per instance made every sharded block compile again (two identical
+# blocks, two graphs), and past dynamo's recompile limit (8) the rest ran uncompiled.
+_FSDP_CLASSES: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+
+
 def swap_class(module: nn.Module) -> None:
-    """Make ``module``'s class ``FSDP<Class>``, a subclass of :class:`FSDPModule` and its class,
-    and give it the state torch's own ``fully_shard.state(module)`` looks up
+    """Make ``module``'s class ``FSDP<Class>``, a subclass of :class:`FSDPModule` and its class
+    (one per class), and give it the state torch's own ``fully_shard.state(module)`` looks up
     (:func:`~.finalization.register_torch_state`)."""
     cls = module.__class__
     if isinstance(module, FSDPModule):
         return
-    new_cls: type = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+    new_cls = _FSDP_CLASSES.get(cls)
+    if new_cls is None:
+        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        _FSDP_CLASSES[cls] = new_cls
     module.__class__ = new_cls
     register_torch_state(module)  # torch's pipelining reads fully_shard.state(module)
 
