@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import optree
@@ -77,6 +78,32 @@ class Routed(torch.nn.Module):
         if self.use_extra:
             x = x + torch.tanh(self.extra(x))
         return self.blocks[1](x)
+
+
+class MLPGPT(torch.nn.Module):
+    """The GPT's structure (token embeddings, ``layers`` residual blocks made by ``block``, a
+    vocabulary head without bias, ``loss``) with cheap blocks: what FSDP does around a compiled
+    region does not depend on the ops inside it, and a compile's time grows with them."""
+
+    def __init__(
+        self, block: Callable[[], torch.nn.Module], vocab: int, dim: int = 32, layers: int = 2
+    ) -> None:
+        super().__init__()
+        self.vocab = vocab
+        self.tok = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(block() for _ in range(layers))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(
+            self(idx).reshape(-1, self.vocab), targets.reshape(-1)
+        )
 
 
 def full_named(named: dict[str, Any]) -> dict[str, torch.Tensor]:

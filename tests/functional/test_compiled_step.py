@@ -4,7 +4,7 @@ Compiled with ``aot_eager`` (AOTAutograd's graphs run op by op, no code generati
 takes minutes a model on this machine), so the comparison with the eager step is exact: the
 same aten ops in the same order, the all-gathers and reduce-scatters as graph nodes. A compile
 is most of a case's time (a few seconds a rank, about the model's number of ops): every case
-compiles the GPT's structure with MLP blocks (:class:`_Tiny`: embeddings and a vocabulary of
+compiles the GPT's structure with MLP blocks (:func:`_Tiny`: embeddings and a vocabulary of
 101 rows that does not split evenly, so padding is traced too; the same three groups and
 buckets as the GPT, half the ops, half the compile). The GPT itself, attention included, is
 compiled against eager by ``examples/09_compiled_step.py``, whose test asserts bit-identity.
@@ -20,6 +20,7 @@ import torch.nn as nn
 from _dist import World, shared_mesh
 from _full import full_list, full_tensors
 from _functional_helpers import _full, _functional_opt, _loss, _rank
+from _helpers import MLPGPT
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,28 +30,12 @@ def world(world2: World) -> World:
     return world2
 
 
-class _Tiny(nn.Module):
+def _Tiny() -> nn.Module:
     """The GPT's structure and batches (token embeddings of 101 rows, two residual blocks, a
     vocabulary head, ``loss``) with MLP blocks, which every case compiles: half the ops of
     the GPT's blocks to trace (a compile 2.5 s of a rank's CPU instead of 4.8 s). The GPT
     compiled against eager is ``examples/09_compiled_step.py``'s run."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(101, 32)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)) for _ in range(2)
-        )
-        self.head = nn.Linear(32, 101, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
-
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(self(idx).reshape(-1, 101), targets.reshape(-1))
+    return MLPGPT(lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)), vocab=101)
 
 
 def _model() -> nn.Module:

@@ -14,13 +14,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import World, shared_mesh
+from _helpers import MLPGPT
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 
 class _MLP(torch.nn.Module):
-    """A block: layer norm, then a GELU MLP. (Not an ``nn.Sequential``: FSDP2's compile of a
-    sharded ``nn.Sequential`` captures no graph in torch 2.13, it runs eagerly.)"""
+    """The blocks of this test's :class:`~_helpers.MLPGPT`: layer norm, then a GELU MLP
+    (inductor's cold compile, as in CI, is most of the test's time: the GPT's attention blocks
+    took a third more). Not an ``nn.Sequential``: FSDP2's compile of a sharded
+    ``nn.Sequential`` captures no graph in torch 2.13, it runs eagerly."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -30,31 +33,6 @@ class _MLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
-
-
-class _MLPGPT(torch.nn.Module):
-    """The GPT's structure (token embeddings, residual blocks, a vocabulary head, ``loss``)
-    with MLP blocks: what FSDP does around a compiled region does not depend on the ops inside
-    it, and inductor's cold compile (lowering and g++, as in CI) is most of this test's time."""
-
-    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2) -> None:
-        super().__init__()
-        self.vocab = vocab
-        self.tok = torch.nn.Embedding(vocab, dim)
-        self.blocks = torch.nn.ModuleList(_MLP(dim) for _ in range(layers))
-        self.head = torch.nn.Linear(dim, vocab, bias=False)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx)
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
-
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(idx)
-        return torch.nn.functional.cross_entropy(
-            logits.reshape(-1, self.vocab), targets.reshape(-1)
-        )
 
 
 def _train(impl: str, compile_what: str | None, mesh: Any = None) -> dict[str, Any]:
@@ -68,7 +46,7 @@ def _train(impl: str, compile_what: str | None, mesh: Any = None) -> dict[str, A
     cfg = GPTConfig(vocab=64, dim=32, n_layers=2, n_heads=2, seq=16)
     graphs = _graphs()
     torch.manual_seed(0)
-    model = _MLPGPT()
+    model = MLPGPT(lambda: _MLP(32), vocab=64)
     kw = {} if mesh is None else {"mesh": mesh}
     for b in model.blocks:
         fully_shard(b, **kw)
