@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import Final
+from typing import Any, Final
 
 import attrs
 
@@ -232,6 +232,14 @@ _ACCEPTS: Final[dict[Event, frozenset[Stage]]] = {
 
 _NONE: Final[tuple[Act, ...]] = ()
 _IDLE: Final = Phase()
+# A micro-batch's uses, counted afresh (the iteration's start; the backward's final callback).
+_NO_USES: Final[dict[str, Any]] = {
+    "grad_uses": 0,
+    "backward_uses": 0,
+    "no_grad_uses": 0,
+    "recomputed": 0,
+    "holding": False,
+}
 
 Step = tuple[Phase, tuple[Act, ...]]
 
@@ -328,11 +336,7 @@ def _start_iteration(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
             p,
             ran_post_backward=False,
             ran_forward=False,
-            grad_uses=0,
-            backward_uses=0,
-            no_grad_uses=0,
-            recomputed=0,
-            holding=False,
+            **_NO_USES,
             outputs_fresh=False,
             lent_open=0,
         ),
@@ -531,11 +535,7 @@ def _final_callback(
             p,
             stage=Stage.IDLE,
             storage=storage,
-            grad_uses=0,
-            backward_uses=0,
-            no_grad_uses=0,
-            recomputed=0,
-            holding=False,
+            **_NO_USES,
             lent_open=0,
             own_open=False,
             keep_for_double_backward=False,

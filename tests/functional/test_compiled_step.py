@@ -4,7 +4,7 @@ Compiled with ``aot_eager`` (AOTAutograd's graphs run op by op, no code generati
 takes minutes a model on this machine), so the comparison with the eager step is exact: the
 same aten ops in the same order, the all-gathers and reduce-scatters as graph nodes. A compile
 is most of a case's time (a few seconds a rank, about the model's number of ops): every case
-compiles the GPT's structure with MLP blocks (:func:`_Tiny`: embeddings and a vocabulary of
+compiles the GPT's structure with MLP blocks (:func:`_model`: embeddings and a vocabulary of
 101 rows that does not split evenly, so padding is traced too; the same three groups and
 buckets as the GPT, half the ops, half the compile). The GPT itself, attention included, is
 compiled against eager by ``examples/09_compiled_step.py``, whose test asserts bit-identity.
@@ -30,17 +30,13 @@ def world(world2: World) -> World:
     return world2
 
 
-def _Tiny() -> nn.Module:
+def _model() -> nn.Module:
     """The GPT's structure and batches (token embeddings of 101 rows, two residual blocks, a
     vocabulary head, ``loss``) with MLP blocks, which every case compiles: half the ops of
     the GPT's blocks to trace (a compile 2.5 s of a rank's CPU instead of 4.8 s). The GPT
     compiled against eager is ``examples/09_compiled_step.py``'s run."""
-    return MLPGPT(lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)), vocab=101)
-
-
-def _model() -> nn.Module:
     torch.manual_seed(0)
-    return _Tiny()
+    return MLPGPT(lambda: nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32)), vocab=101)
 
 
 def _small(**kw: Any) -> nn.Module:
