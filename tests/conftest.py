@@ -20,6 +20,14 @@ from pathlib import Path
 # work takes a core from a rank (every rank sets torch's intra-op threads to 1 already).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# The suite is a CPU suite on gloo. On a machine with a GPU, torch's FSDP2 (the parity tests'
+# reference) builds its default mesh on the accelerator, and a rank forked from a server in
+# which an import had initialised CUDA cannot use it at all ("Cannot re-initialize CUDA in
+# forked subprocess"): seen on an H200, where most multi-rank tests failed so. The GPU is hidden
+# from the suite and every process it starts, unless FFSDP_TEST_GPU=1 asks for the `gpu` tests
+# (benchmarks/gpu_check.sh runs those alone, on NCCL in the test process).
+if os.environ.get("FFSDP_TEST_GPU") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import pytest
 import torch
@@ -155,3 +163,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return len(HEAVY_FIRST)
 
     items.sort(key=rank)  # stable: within a file and among the rest, the order is kept
+
+
+@pytest.fixture
+def nccl_one_rank():
+    """A 1-rank NCCL world in this process (the ``gpu`` tests: one GPU, a ``HashStore``)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    torch.cuda.set_device(0)  # before the mesh (else DeviceMesh warns and guesses the device)
+    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -19,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from _dist import World
 from _fully_shard_helpers import CFG, _build, _full_params, _train
 
@@ -405,20 +404,9 @@ def test_planted_bugs_are_caught_on_two_ranks(world2: World) -> None:
 
 # ------------------------------------------------------------------ CUDA (skipped here)
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture
-def nccl_one_rank() -> Iterator[None]:
-    """A 1-rank NCCL world in this process."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    torch.cuda.set_device(0)  # before the mesh (else DeviceMesh warns and guesses the device)
-    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+gpu = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device and FFSDP_TEST_GPU=1"
+)
 
 
 def _gpu_run(which: str, steps: int = 6, cfg: Any = None) -> dict[str, Any]:
