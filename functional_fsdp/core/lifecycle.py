@@ -204,6 +204,10 @@ class Event(enum.Enum):
     PRE_BACKWARD = "the backward reaches the group's outputs"
     PREFETCH_FOR_BACKWARD = "another group's backward prefetches this one"
     POST_BACKWARD = "the backward reaches the parameters (gradients into .grad)"
+    PARTIAL_BACKWARD = (
+        "a nested backward (a reentrant checkpoint's, of a submodule whose recompute the group "
+        "does not see) reaches the parameters of a use whose own backward is still to come"
+    )
     RETURNED_BACKWARD = "the backward reaches the parameters under torch.autograd.grad"
     FINAL_CALLBACK = "the root's final callback (the backward is over)"
     RESET = "reset_iter_state(): a step failed"
@@ -224,6 +228,7 @@ class Event(enum.Enum):
 # are taken in every stage.
 _ACCEPTS: Final[dict[Event, frozenset[Stage]]] = {
     Event.POST_FORWARD: frozenset({Stage.FORWARD}),
+    Event.PARTIAL_BACKWARD: frozenset({Stage.PRE_BACKWARD, Stage.POST_BACKWARD}),
     Event.ENTER_SUMMON: frozenset({Stage.IDLE}),
     Event.EXIT_SUMMON: frozenset({Stage.SUMMON_FULL_PARAMS}),
     Event.PRE_FORWARD: frozenset(set(Stage) - {Stage.SUMMON_FULL_PARAMS}),
@@ -488,6 +493,16 @@ def _post_backward(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
     )
 
 
+def _partial_backward(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
+    # A plain submodule of the group checkpointed reentrantly: its recompute runs on the full
+    # parameters the group's pre-backward registered (no hook of the group sees it), and the
+    # checkpoint's nested backward reaches them with part of the gradient of a use recorded in
+    # the forward. That use's own backward (in the outer one) is still to come and closes it:
+    # the part is held, not counted as a use, and the full parameters stay registered, since
+    # another checkpoint's recompute may read them next.
+    return attrs.evolve(p, holding=True), (Act.HOLD_USE,)
+
+
 def _returned_backward(p: Phase, c: LifecycleConfig, grad: bool, *_: bool) -> Step:
     # ``grad``: a create_graph=True backward, whose double backward reads the full parameters.
     # The gradients are separate tensors: free before reducing them (as _post_backward).
@@ -660,6 +675,7 @@ _HANDLERS: Final[dict[Event, _Handler]] = {
     Event.PRE_BACKWARD: _pre_backward,
     Event.PREFETCH_FOR_BACKWARD: _prefetch_for_backward,
     Event.POST_BACKWARD: _post_backward,
+    Event.PARTIAL_BACKWARD: _partial_backward,
     Event.RETURNED_BACKWARD: _returned_backward,
     Event.FINAL_CALLBACK: _final_callback,
     Event.RESET: _reset,

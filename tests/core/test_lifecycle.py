@@ -217,15 +217,21 @@ class LifecycleMachine(RuleBasedStateMachine):
             and self.p.stage is not Stage.SUMMON_FULL_PARAMS
         )
     )
-    @rule(recompute=st.booleans(), prefetch=st.booleans(), every=st.booleans())
-    def backward_of_a_use(self, recompute: bool, prefetch: bool, every: bool) -> None:
+    @rule(
+        recompute=st.booleans(),
+        prefetch=st.booleans(),
+        every=st.booleans(),
+        partial=st.integers(0, 2),
+    )
+    def backward_of_a_use(self, recompute: bool, prefetch: bool, every: bool, partial: int) -> None:
         """The backward reaches one use's outputs, then its parameters (``.grad``); with
-        ``every``, then the other uses' too."""
-        self._backward_of_a_use(recompute, prefetch)
+        ``every``, then the other uses' too. ``partial``: plain submodules of the group
+        checkpointed reentrantly inside the use, whose nested backwards come first."""
+        self._backward_of_a_use(recompute, prefetch, partial)
         while every and self.tracked_uses > self.backwards_done:
-            self._backward_of_a_use(recompute, prefetch)
+            self._backward_of_a_use(recompute, prefetch, partial)
 
-    def _backward_of_a_use(self, recompute: bool, prefetch: bool) -> None:
+    def _backward_of_a_use(self, recompute: bool, prefetch: bool, partial: int) -> None:
         if prefetch:
             self.ev(Event.PREFETCH_FOR_BACKWARD)
         self.ev(Event.PRE_BACKWARD)
@@ -234,6 +240,16 @@ class LifecycleMachine(RuleBasedStateMachine):
         if recompute:
             self.ev(Event.RECOMPUTE)
             assert self.shell.live and self.shell.registered == "full"
+        for _ in range(partial):
+            # A submodule's recompute read the registered full parameters; its checkpoint's
+            # nested backward reaches them (PARTIAL_BACKWARD) with part of this use's
+            # gradient: held, not a use. Nothing closes and the parameters stay as they are
+            # (the next recompute reads them).
+            live, registered, closes = self.shell.live, self.shell.registered, self.shell.closes
+            acts = self.ev(Event.PARTIAL_BACKWARD)
+            assert acts == (Act.HOLD_USE,), f"a nested backward's part of a use did {acts}"
+            assert (self.shell.live, self.shell.registered) == (live, registered)
+            assert self.shell.closes == closes and self.shell.holding
         before = self.shell.reductions
         self.ev(Event.POST_BACKWARD)
         self.backwards_done += 1
@@ -523,6 +539,22 @@ def test_model_checking_catches_a_seeded_bug(monkeypatch: pytest.MonkeyPatch) ->
     _post_backward = L._HANDLERS[Event.POST_BACKWARD]
     monkeypatch.setitem(L._HANDLERS, Event.POST_BACKWARD, every_use_closes)
     with pytest.raises(AssertionError, match="closing reductions"):
+        _hunt()
+
+
+def test_model_checking_catches_a_nested_backward_taken_for_a_use(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fourth seeded bug: a nested backward's part of a use (a reentrant checkpoint of a
+    plain submodule) is taken for the use's own backward, as before PARTIAL_BACKWARD existed:
+    it resharded the group under the next recompute ("got mixed torch.Tensor and DTensor")
+    and reduced twice."""
+
+    def as_a_use(p: Phase, c: LifecycleConfig, *rest: bool) -> L.Step:
+        return L._post_backward(p, c, *rest)
+
+    monkeypatch.setitem(L._HANDLERS, Event.PARTIAL_BACKWARD, as_a_use)
+    with pytest.raises(AssertionError, match="nested backward's part"):
         _hunt()
 
 

@@ -471,6 +471,61 @@ def test_a_reentrant_checkpoint_trains_like_one_process(world2) -> None:
     _check(world2.run(case_module_reuse, cfgs)[0], cfgs)
 
 
+# ``rep`` a plain submodule of the root's group, checkpointed reentrantly: no hook of the group
+# sees its recompute, which runs on the full parameters the root's pre-backward registered, and
+# each checkpoint's nested backward reaches them with part of the root's one use's gradient.
+# Checkpointed twice, the first nested backward resharded the root (as its use's backward) and
+# the second recompute failed ("got mixed torch.Tensor and DTensor"); once, the root reduced
+# twice (the part, then the rest).
+REENTRANT_IN_ROOT = [
+    {"uses": 1, "reentrant": True, "rep_in_root": True},
+    {"uses": 2, "reentrant": True, "rep_in_root": True},
+    {"uses": 3, "reentrant": True, "rep_in_root": True, "bucket_bytes": 0, "raf": False},
+]
+
+
+def test_a_reentrant_checkpoint_of_a_submodule_trains_like_one_process(world2) -> None:
+    cfgs = REENTRANT_IN_ROOT + [
+        {"uses": 2, "reentrant": True, "rep_in_root": True, "bf16": True},
+        {"uses": 2, "reentrant": True, "rep_in_root": True, "micro": 2},
+        {"uses": 2, "reentrant": True, "rep_in_root": True, "reproducible": 2},
+    ]
+    _check(world2.run(case_module_reuse, cfgs)[0], cfgs)
+
+
+def case_reductions(cfg: dict[str, Any]) -> dict[str, int]:
+    """One training step of ``cfg``: how often each group's uses closed (a reduction began),
+    by group (its name and ``id``: the model's Linear groups share a name)."""
+    from functional_fsdp.shell.engine.group import ParamGroup
+
+    torch.manual_seed(0)
+    model = _model(cfg)
+    _shard(model, cfg)
+    counts: dict[str, int] = {}
+    reduce = ParamGroup.reduce_gradients
+
+    def counting(self: Any, grads: Any, *, last_use: bool) -> None:
+        if last_use:
+            key = f"{self.name}@{id(self):x}"
+            counts[key] = counts.get(key, 0) + 1
+        reduce(self, grads, last_use=last_use)
+
+    ParamGroup.reduce_gradients = counting  # type: ignore[method-assign]
+    try:
+        _loss(model, _batches()[0].chunk(dist.get_world_size())[dist.get_rank()]).backward()
+    finally:
+        ParamGroup.reduce_gradients = reduce  # type: ignore[method-assign]
+    return counts
+
+
+def test_a_reentrant_checkpoint_reduces_each_group_once(world2) -> None:
+    """Every group reduces once a step, however often a checkpoint recomputed (in) it: the
+    root with a checkpointed submodule, and a group checkpointed several times."""
+    for cfg in [*REENTRANT_IN_ROOT, {"uses": 3, "reentrant": True}]:
+        for counts in world2.run(case_reductions, cfg):
+            assert counts and set(counts.values()) == {1}, (cfg, counts)
+
+
 def case_refused(cfg: dict[str, Any]) -> str:
     """One training step of ``cfg`` that a check refuses: the error's message (every rank
     raises it at the same point of its backward), after ``reset_iter_state()``."""
@@ -513,6 +568,7 @@ def test_a_reentrant_checkpoint_is_bit_equal_to_fsdp2(world2) -> None:
     cfgs = [c for c in REENTRANT if c["uses"] == 1]
     cfgs += [{"uses": 1, "reentrant": True, "bf16": True}]
     cfgs += [{"uses": 1, "reentrant": True, "bucket_bytes": 0, "raf": 2}]
+    cfgs += REENTRANT_IN_ROOT
     results = world2.run(case_reuse_against_fsdp2, cfgs)[0]
     bad = [f"{cfg}: {res}" for cfg, res in zip(cfgs, results) if res]
     assert not bad, "\n".join(bad)

@@ -59,8 +59,11 @@ class Unsharding(Protocol):
         """Per parameter, whether it trains."""
         ...
 
-    def unshard_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
-        """Reduce the full gradients; what autograd gets for the sharded parameters."""
+    def unshard_backward(
+        self, grads: Sequence[torch.Tensor | None], made_in_forward: bool = True
+    ) -> tuple[Any, ...]:
+        """Reduce the full gradients (``made_in_forward``: the full tensors were not made by
+        a recompute inside the backward); what autograd gets for the sharded parameters."""
         ...
 
 
@@ -99,6 +102,9 @@ class UnshardFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, group: Unsharding, *sharded: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.group = group
+        # Made by the forward, or by a recompute inside the backward (a reentrant checkpoint's).
+        # (The hooks that apply this run eagerly, outside any compiled region.)
+        ctx.made_in_forward = torch._C._current_graph_task_id() == -1
         ctx.set_materialize_grads(False)
         outs = tuple(v.view_as(v) for v in group.views)
         frozen = [o for o, rg in zip(outs, group.requires_grad) if not rg]
@@ -110,7 +116,7 @@ class UnshardFn(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
         # Into .grad (loss.backward()), or returned reduced while torch.autograd.grad runs.
         group: Unsharding = ctx.group
-        return (None, *group.unshard_backward(grads))
+        return (None, *group.unshard_backward(grads, ctx.made_in_forward))
 
 
 class UseFn(torch.autograd.Function):

@@ -166,6 +166,10 @@ class ParamGroup(GroupGradients, GroupLending):
         self._transitions: dict[tuple[Any, ...], tuple[Phase, tuple[Act, ...]]] = {}
         self._decided: dict[Any, Any] = {}
         self._abandoned = AbandonedWork()  # in-flight work a failed step left, until it lands
+        # The autograd graph task of this iteration's backward (its first pre-backward's): a
+        # nested one (a reentrant checkpoint's) reaching a use recorded in the forward sends
+        # PARTIAL_BACKWARD. A fact about autograd, not a decision: None outside a backward.
+        self._backward_task: int | None = None
         # fully_shard([m1, m2]): the modules sharing this group.
         self.forward_users = forward_users
         self._init_lending()  # weights tied across groups (.tied)
@@ -723,6 +727,8 @@ class ParamGroup(GroupGradients, GroupLending):
     def pre_backward(self) -> None:
         """The backward reaches this group's outputs: all-gather again (unless
         ``unshard_in_backward`` is off) and put this forward's full parameters back."""
+        if self._backward_task is None:
+            self._backward_task = torch._C._current_graph_task_id()
         self._carry_out(self._event(Event.PRE_BACKWARD))
 
     def prefetch_for_backward(self) -> None:
@@ -730,14 +736,25 @@ class ParamGroup(GroupGradients, GroupLending):
         backward already ran or does not unshard)."""
         self._carry_out(self._event(Event.PREFETCH_FOR_BACKWARD))
 
-    def unshard_backward(self, grads: Sequence[torch.Tensor | None]) -> tuple[Any, ...]:
+    def unshard_backward(
+        self, grads: Sequence[torch.Tensor | None], made_in_forward: bool = True
+    ) -> tuple[Any, ...]:
         """:class:`~.autograd.UnshardFn`'s backward: reduce the full gradients into ``.grad``
         (:meth:`post_backward`), or return them reduced while ``torch.autograd.grad`` runs
-        (kept unsharded under ``create_graph=True``: the double backward reads them)."""
+        (kept unsharded under ``create_graph=True``: the double backward reads them).
+
+        ``made_in_forward``: the full tensors were made by the forward (not by a recompute
+        inside the backward). Their gradients arriving in a nested backward (a reentrant
+        checkpoint of a submodule: its recompute read them) are part of that use's: held for
+        the use's own backward, the parameters left full for the next recompute."""
         if self.gradients_captured():
             acts = self._event(Event.RETURNED_BACKWARD, grad=torch.is_grad_enabled())
             return self._carry_out(acts, grads=grads)
-        self.post_backward(grads)
+        task = self._backward_task
+        if made_in_forward and task is not None and torch._C._current_graph_task_id() != task:
+            self._carry_out(self._event(Event.PARTIAL_BACKWARD), grads=grads)
+        else:
+            self.post_backward(grads)
         return (None,) * len(grads)
 
     @traced("post_backward")
@@ -748,11 +765,13 @@ class ParamGroup(GroupGradients, GroupLending):
     def finish_backward(self, is_last_backward: bool) -> None:
         """The root's final callback: finish the reduction (the last backward of an
         iteration; otherwise it overlaps the next micro-batch), reshard and go idle."""
+        self._backward_task = None
         self._carry_out(self._event(Event.FINAL_CALLBACK, last=is_last_backward))
 
     def reset_iter_state(self) -> None:
         """``reset_iter_state``: abandon in-flight work, drop the failed iteration's
         unsharded gradients (no-sync), reshard and go idle."""
+        self._backward_task = None
         self._carry_out(self._event(Event.RESET))
 
     def settle(self) -> None:
