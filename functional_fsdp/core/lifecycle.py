@@ -460,13 +460,15 @@ def _prefetch_for_backward(p: Phase, c: LifecycleConfig, *_: bool) -> Step:
 
 def _closes(p: Phase, uses: int) -> bool:
     """Whether the backward of use number ``uses`` closes the micro-batch's uses (reduces what
-    they hold): every use made so far has had its backward, and no reentrant recompute is
-    still to come. That is known only once one came: a group whose no_grad forwards were
-    recomputed in part (a module checkpointed reentrantly twice: the later checkpoint's
-    recompute and nested backward run first) holds until the others' (or the final callback,
-    which closes what a no_grad forward that never recomputes left held). A no_grad forward
-    with no recompute so far (a plain ``no_grad`` use) holds nothing back."""
-    return uses >= p.grad_uses and not 0 < p.recomputed < p.no_grad_uses
+    they hold): every use made so far has had its backward, and every ``no_grad`` forward of
+    the group has been recomputed. A ``no_grad`` forward in training may be a reentrant
+    checkpoint's, whose recompute and nested backward come later in the backward (a
+    ``fully_shard([rep, mid])`` group whose ``mid`` runs after a checkpointed ``rep``: mid's
+    backward comes first); which one it is, is known only when the recompute comes. Until then
+    the uses stay open, and the final callback closes what a plain ``no_grad`` forward (never
+    recomputed) left held: one reduction either way (one micro-batch's leaf under
+    ``ReproduciblePolicy``), the plain case's only later."""
+    return uses >= p.grad_uses and p.recomputed >= p.no_grad_uses
 
 
 def _post_backward(p: Phase, c: LifecycleConfig, *_: bool) -> Step:

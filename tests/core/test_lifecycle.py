@@ -297,9 +297,9 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.shell.closes = 0  # the uses so far are closed; a later recompute opens anew
 
     def _recompute_to_come(self) -> bool:
-        """A reentrant recompute came and another no_grad forward may still be recomputed:
-        the uses stay open (one reduction for all, not one per recompute)."""
-        return self.recomputed > 0 and self.no_grad_uses > 0
+        """A no_grad forward that may still be recomputed (a reentrant checkpoint's, known
+        only when its recompute comes): the uses stay open (one reduction for all)."""
+        return self.no_grad_uses > 0
 
     @precondition(
         lambda self: (
@@ -555,6 +555,21 @@ def test_model_checking_catches_a_nested_backward_taken_for_a_use(
 
     monkeypatch.setitem(L._HANDLERS, Event.PARTIAL_BACKWARD, as_a_use)
     with pytest.raises(AssertionError, match="nested backward's part"):
+        _hunt()
+
+
+def test_model_checking_catches_uses_closed_before_a_recompute(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fifth seeded bug, the rule before 2026-12-01: the uses close while a no_grad forward
+    is still to be recomputed, unless a recompute already came (a list-form group whose
+    recorded module's backward precedes the other's reentrant recompute reduced twice)."""
+
+    def closes_early(p: Phase, uses: int) -> bool:
+        return uses >= p.grad_uses and not 0 < p.recomputed < p.no_grad_uses
+
+    monkeypatch.setattr(L, "_closes", closes_early)
+    with pytest.raises(AssertionError, match="closing reductions"):
         _hunt()
 
 

@@ -38,7 +38,8 @@ class Reuse(nn.Module):
 
     ``skip``: the steps (0-based) in which ``maybe`` does not run; ``no_grad_first``: ``rep``'s
     first call runs under ``no_grad`` (its output still feeds the rest, as a constant);
-    ``discard_last``: ``rep``'s last call's output is dropped (that use has no backward)."""
+    ``discard_last``: ``rep``'s last call's output is dropped (that use has no backward);
+    ``mid_last``: ``mid`` runs once more after the last ``rep``."""
 
     def __init__(self, uses: int, d: int = 16) -> None:
         super().__init__()
@@ -55,6 +56,7 @@ class Reuse(nn.Module):
         self.reentrant = False
         self.reentrant_mid = False
         self.reentrant_from = 0
+        self.mid_last = False
         self.step = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -77,6 +79,8 @@ class Reuse(nn.Module):
                 h = checkpoint(self.mid, h, use_reentrant=True)
             elif i < self.uses - 1:
                 h = self.mid(h)
+        if self.mid_last:
+            h = self.mid(h)
         if self.step not in self.skip:
             h = h + self.maybe(h)
         return self.head(h)
@@ -182,6 +186,7 @@ def _model(cfg: dict[str, Any]) -> Reuse:
     model.reentrant = bool(cfg.get("reentrant"))
     model.reentrant_mid = bool(cfg.get("reentrant_mid"))
     model.reentrant_from = int(cfg.get("reentrant_from", 0))
+    model.mid_last = bool(cfg.get("mid_last"))
     if cfg.get("tie"):  # rep's group owns the weight, mid's borrows it
         model.mid.weight = model.rep[0].weight
     return model
@@ -459,6 +464,11 @@ def test_a_reentrant_checkpoint_trains_like_one_process(world2) -> None:
         # (rep's gradients were lost here: 0.93 off).
         {"uses": 2, "reentrant": True, "list_group": True},
         {"uses": 3, "reentrant": True, "list_group": True, "bucket_bytes": 0},
+        # ... and mid (recorded) after the checkpointed rep: mid's backward comes before rep's
+        # recompute (it closed the uses, and rep's nested backward reduced again: under
+        # ReproduciblePolicy a ReproducibilityError).
+        {"uses": 1, "reentrant": True, "list_group": True, "mid_last": True},
+        {"uses": 1, "reentrant": True, "list_group": True, "mid_last": True, "reproducible": 2},
         # A use under no_grad that is not checkpointed, then a checkpointed one.
         {"uses": 2, "reentrant": True, "no_grad_first": True},
         {"uses": 1, "reentrant": True, "reproducible": 2},
@@ -520,8 +530,10 @@ def case_reductions(cfg: dict[str, Any]) -> dict[str, int]:
 
 def test_a_reentrant_checkpoint_reduces_each_group_once(world2) -> None:
     """Every group reduces once a step, however often a checkpoint recomputed (in) it: the
-    root with a checkpointed submodule, and a group checkpointed several times."""
-    for cfg in [*REENTRANT_IN_ROOT, {"uses": 3, "reentrant": True}]:
+    root with a checkpointed submodule, a group checkpointed several times, and a list-form
+    group whose recorded module's backward comes before its other module's recompute."""
+    mid_last = {"uses": 1, "reentrant": True, "list_group": True, "mid_last": True}
+    for cfg in [*REENTRANT_IN_ROOT, {"uses": 3, "reentrant": True}, mid_last]:
         for counts in world2.run(case_reductions, cfg):
             assert counts and set(counts.values()) == {1}, (cfg, counts)
 
@@ -595,6 +607,7 @@ def test_reused_module_under_reproducible_policy_is_the_same_on_one_and_two_rank
         {"uses": 3, "reproducible": 4, "raf": False},
         {"uses": 2, "reproducible": 4, "bucket_bytes": 0},
         {"uses": 2, "reproducible": 4, "reentrant": True},
+        {"uses": 1, "reproducible": 4, "reentrant": True, "list_group": True, "mid_last": True},
     ):
         one = world2.run(case_reproducible_reuse, 1, cfg)[0]
         two = world2.run(case_reproducible_reuse, 2, cfg)[0]
