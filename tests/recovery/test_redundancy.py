@@ -125,6 +125,48 @@ def test_copies_equal_the_neighbours_state_and_rebuild_a_lost_rank(world4) -> No
         assert res[lost]["rebuilt"] is None
 
 
+def case_load_after_copies() -> list[str]:
+    """Copies kept, a step, then a checkpoint loaded (the model's own state, written back in
+    place) before the next step: what recovery's first call, ``restorable()``, says before
+    and after the load."""
+    from functional_fsdp import fully_shard, keep_neighbour_copies
+    from functional_fsdp.core.errors import StateError
+    from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(**CFG)
+    model = GPT(cfg)
+    for b in model.blocks:
+        fully_shard(b)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    copies = keep_neighbour_copies(model, opt)
+    model.loss(*synthetic_batch(cfg, 2, seed=0)).backward()
+    opt.step()
+    opt.zero_grad()
+    # Complete the exchange the step started (restorable() polls one in flight, as after a
+    # failure, which a healthy run's later wait would then miss).
+    copies.wait()
+    out = [repr(copies.restorable())]
+    model.load_state_dict(model.state_dict())
+    try:
+        out.append(f"no error: {copies.restorable()!r}")
+    except StateError as e:
+        out.append(str(e))
+    copies.remove()
+    return out
+
+
+def test_a_checkpoint_loaded_after_the_copies_is_named_at_recovery(world4) -> None:
+    """Loaded after ``keep_neighbour_copies``, a checkpoint leaves every copy of the state
+    from before it: a rebuild would mix the two. Recovery says so by name instead (it restored
+    the stale copies before)."""
+    for before, after in world4.run(case_load_after_copies):
+        assert before.startswith("Restorable("), before
+        assert "written after step 1's neighbour copies" in after, after
+        assert "copies.remove(), load" in after, after
+
+
 def test_redundancy_policy_is_validated() -> None:
     from functional_fsdp import Redundancy
     from functional_fsdp.core.errors import StateError

@@ -210,6 +210,9 @@ class NeighbourCopies:
         self._snapshot: dict[str, HeldCopy] = {}
         self._snapshot_step: int | None = None
         self.bytes_per_step = 0
+        # The groups' shard write counters when this rank's state was last sent: a later write
+        # outside an optimizer step (a checkpoint load) leaves every copy of it stale.
+        self._sent_versions: tuple[int, ...] | None = None
         self._heartbeat = _Heartbeat(self.rank) if self.world_size > 1 else None
         self._handles = [
             optimizer.register_step_pre_hook(self._before_step),
@@ -284,6 +287,7 @@ class NeighbourCopies:
                 sent += t.numel() * t.element_size()
             for v in views:
                 recvs.append(dist.P2POp(dist.irecv, v, source, self._pg, len(recvs)))
+        self._sent_versions = self._versions()
         works = dist.batch_isend_irecv(sends + recvs)
         self._sends, self._recvs = works[: len(sends)], works[len(sends) :]
         self._incoming, self._incoming_step = incoming, self.done
@@ -305,10 +309,30 @@ class NeighbourCopies:
         self._held, self._incoming = self._incoming, {}
         self.held_step, self._incoming_step = self._incoming_step, None
 
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(g.sharded_version() for g in self._groups)
+
     def restorable(self) -> Restorable:
         """What this rank can restore now (for the survivors' agreement), without waiting:
         its own state at :attr:`done` and at its snapshot's step, its neighbour's at the last
-        completed exchange, and at the one in flight if all its messages already arrived."""
+        completed exchange, and at the one in flight if all its messages already arrived.
+
+        Raises:
+            StateError: the sharded parameters were written since this rank's state was last
+                sent, outside an optimizer step (a checkpoint loaded, ``summon_full_params``
+                written back): every copy predates the write, and a rebuild would mix the
+                states from before and after it.
+        """
+        if self._sent_versions is not None and self._versions() != self._sent_versions:
+            raise StateError(
+                f"rank {self.rank}: the model's sharded parameters were written after step "
+                f"{self.done}'s neighbour copies were sent, outside an optimizer step (a "
+                "checkpoint load, or summon_full_params writing back), so the copies hold the "
+                "state from before that write and cannot rebuild a lost rank consistently. "
+                "Resume from the checkpoint instead. To load while keeping copies: "
+                "copies.remove(), load, then keep_neighbour_copies(model, optimizer, step=...) "
+                "again (docs/recovery.md)"
+            )
         own = (self.done,) + (() if self._snapshot_step is None else (self._snapshot_step,))
         copy: tuple[int, ...] = () if self.held_step is None else (self.held_step,)
         if self._incoming_arrived():
