@@ -191,7 +191,7 @@ def with_params(state: TrainState, params: dict[str, Any]) -> TrainState:
                     f"rank's shard (shape {tuple(old._local_tensor.shape)}) or a DTensor (to "
                     "edit full parameters use summon_state(state, model))"
                 )
-            t = DTensor(t, old._spec, requires_grad=False)
+            t = wrap_like(t, old)
         elif tuple(t.shape) != tuple(old.shape) or type(t) is not type(old):
             raise OptimizerStateError(
                 f"with_params: {n!r} must be a {type(old).__name__} of shape "

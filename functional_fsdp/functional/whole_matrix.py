@@ -25,6 +25,7 @@ import attrs
 import torch
 from torch.distributed.tensor import DTensor
 
+from .._dtensor import wrap_like
 from ..core._tree import STATIC, tree_flatten, tree_unflatten
 from ..core.errors import OptimizerStateError
 from ..optim._whole_matrix import MatrixLayout, map_whole_matrices, matrix_layout, plan_owners
@@ -105,12 +106,6 @@ def _local(t: Any) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def _wrap(local: torch.Tensor, like: Any) -> Any:
-    if isinstance(like, DTensor):
-        return DTensor(local, like._spec, requires_grad=False)
-    return local
-
-
 def _rows(t: Any, lay: MatrixLayout, name: str) -> torch.Tensor:
     from ..optim._whole_matrix import local_rows
 
@@ -170,7 +165,7 @@ def whole_matrix(
         )
         out = list(leaves)
         for i, r in zip(idx, rows):
-            out[i] = _wrap(r, leaves[i])
+            out[i] = wrap_like(r, leaves[i])
         return tree_unflatten(spec, out), state
 
     return GradientTransformation(init, update)
@@ -290,7 +285,7 @@ def _muon_matrices(
         grad = _rows(g[i], lay, f"muon: grads leaf {i}")
         buf = _local(state.momentum[k])
         buf = buf.lerp_(grad, 1 - momentum) if donate else buf.lerp(grad, 1 - momentum)
-        bufs.append(_wrap(buf, state.momentum[k]))
+        bufs.append(wrap_like(buf, state.momentum[k]))
         upd = grad.lerp(buf, momentum) if a.nesterov else buf
         wires.append(upd.bfloat16())  # Newton-Schulz's first op: nothing lost on the wire
     lays = [lay for lay in layouts if lay is not None]
@@ -305,7 +300,7 @@ def _muon_matrices(
         new = local.mul_(1 - rate * weight_decay) if donate else local * (1 - rate * weight_decay)
         new.add_(o, alpha=-adjust_lr(rate, a.adjust_lr_fn, lay.global_shape))
         # Donated: updated in place, the input leaf (a DTensor keeps its local tensor).
-        out[i] = p[i] if donate else _wrap(new, p[i])
+        out[i] = p[i] if donate else wrap_like(new, p[i])
     return bufs
 
 

@@ -4,7 +4,8 @@ Gradients, optimizer moments and new shards are wrapped with their parameter's l
 several places (the optimizer step on local shards, ``summon_full_params``' gradient writeback,
 re-sharding a replaced parameter, the recovery's state). All go through :func:`shard_like`,
 every wrapping with a known spec (a gradient each step) through :func:`wrap`, and the
-functional step's wrapping of a new value like its old one through :func:`wrap_like`.
+functional step's wrapping of a new value like its old one through :func:`wrap_like` (both
+in ``functional_fsdp._dtensor``, which the shell-free functional optimizers import too).
 """
 
 from __future__ import annotations
@@ -13,31 +14,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from ..._dtensor import wrap, wrap_like
+
 __all__ = ["shard_like", "wrap", "wrap_like"]
-
-
-def wrap(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """``DTensor(local, spec, requires_grad=False)``, in a third of its time outside tracing.
-
-    ``DTensor.__init__`` does nothing but sits behind ``torch._disable_dynamo``'s wrapper: 4 of
-    the 6 us a gradient's wrapper took (measured, torch 2.13, one per parameter per step).
-    ``DTensor.__new__`` alone makes the same tensor; while dynamo traces, the whole
-    constructor runs as torch wrote it.
-    """
-    if torch.compiler.is_compiling():
-        return DTensor(local, spec, requires_grad=False)
-    return DTensor.__new__(DTensor, local, spec, requires_grad=False)
-
-
-def wrap_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``local`` as a tensor like ``like``: a ``DTensor`` with ``like``'s spec (``like``
-    itself when ``local`` is its local tensor), or ``local`` when ``like`` is a plain tensor.
-    The functional step's new parameters, moments and gradients, one per parameter a step."""
-    if not isinstance(like, DTensor):
-        return local
-    if local is like._local_tensor:
-        return like
-    return wrap(local, like._spec)
 
 
 def shard_like(local: torch.Tensor, p: DTensor) -> DTensor:
