@@ -104,7 +104,10 @@ def _loss_and_aux(out: Any, has_aux: bool) -> tuple[torch.Tensor, Any]:
 
 def _unsupported_checkpointing(err: Exception) -> UnsupportedError | None:
     text = str(err)
-    if isinstance(err, CheckpointError) or "mixed torch.Tensor and DTensor" in text:
+    # torch's own refusal of a reentrant checkpoint under torch.autograd.grad names
+    # use_reentrant=False as the fix, which the functional step does not support either.
+    reentrant = "use_reentrant=True" in text and ".grad()" in text
+    if isinstance(err, CheckpointError) or "mixed torch.Tensor and DTensor" in text or reentrant:
         first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
         return UnsupportedError(
             "the functional step does not support activation checkpointing "

@@ -74,12 +74,13 @@ def _shell_steps(model: nn.Module, opt: Any, steps: range, clip: float | None = 
 
 
 class _CheckpointedBlock(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, reentrant: bool = False) -> None:
         super().__init__()
         self.lin = nn.Linear(4, 4)
+        self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=self.reentrant)
 
 
 def _case_errors() -> str:
@@ -129,16 +130,23 @@ def _case_errors() -> str:
     with pytest.raises(UnsupportedError, match="activation checkpointing"):
         make_train_step(ac, _loss, opt)
 
-    # ... and torch.utils.checkpoint inside a module's forward is turned into the same error.
-    torch.manual_seed(0)
-    inner = nn.Sequential(_CheckpointedBlock(), _CheckpointedBlock())
-    for block in inner:
-        fully_shard(block)
-    fully_shard(inner)
-    inner_step = make_train_step(inner, lambda m, b: m(b).sum(), opt)
-    with pytest.raises(UnsupportedError, match="activation checkpointing"):
-        inner_step(init(inner, opt), torch.randn(2, 4))
-    assert torch.isfinite(inner(torch.randn(2, 4))).all()  # the module still works
+    # ... and torch.utils.checkpoint inside a module's forward is turned into the same error,
+    # reentrant too (torch's own refusal under torch.autograd.grad advises use_reentrant=False,
+    # which the step does not support either).
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        # (A first layer outside the checkpoints: a reentrant checkpoint of inputs that need no
+        # gradient makes an output that needs none.)
+        inner = nn.Sequential(
+            nn.Linear(4, 4), _CheckpointedBlock(reentrant), _CheckpointedBlock(reentrant)
+        )
+        for block in inner[1:]:
+            fully_shard(block)
+        fully_shard(inner)
+        inner_step = make_train_step(inner, lambda m, b: m(b).sum(), opt)
+        with pytest.raises(UnsupportedError, match="activation checkpointing"):
+            inner_step(init(inner, opt), torch.randn(2, 4))
+        assert torch.isfinite(inner(torch.randn(2, 4))).all()  # the module still works
     ok, _ = make_train_step(model, _loss, opt)(init(model, opt), _batch(2))  # still usable
     with pytest.raises(ValueError, match="has_aux=True"):
         make_train_step(model, lambda m, b: (_loss(m, b), 1), opt)(ok, _batch(3))
