@@ -19,14 +19,11 @@ CFG = dict(vocab=64, dim=16, n_layers=3, n_heads=2, seq=8)
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
-def case_copies(lost: int) -> dict[str, Any]:
-    import torch.distributed as dist
-
+def _sharded_with_copies() -> tuple[Any, Any, Any, Any]:
+    """The GPT sharded by block, AdamW, and its neighbour copies (config, model, optimizer,
+    copies)."""
     from functional_fsdp import fully_shard, keep_neighbour_copies
-    from functional_fsdp.core.recovery import copy_source, regroup, relayout
-    from functional_fsdp.core.transitions import pack_locals, shard_tensors
-    from functional_fsdp.shell.comm.process_group import ProcessGroupComm
-    from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch
+    from functional_fsdp.testing.models import GPT, GPTConfig
 
     torch.manual_seed(0)
     cfg = GPTConfig(**CFG)
@@ -35,7 +32,18 @@ def case_copies(lost: int) -> dict[str, Any]:
         fully_shard(b)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    copies = keep_neighbour_copies(model, opt)
+    return cfg, model, opt, keep_neighbour_copies(model, opt)
+
+
+def case_copies(lost: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from functional_fsdp.core.recovery import copy_source, regroup, relayout
+    from functional_fsdp.core.transitions import pack_locals, shard_tensors
+    from functional_fsdp.shell.comm.process_group import ProcessGroupComm
+    from functional_fsdp.testing.models import synthetic_batch
+
+    cfg, model, opt, copies = _sharded_with_copies()
     rank, ws = dist.get_rank(), dist.get_world_size()
     for step in range(3):
         x, y = synthetic_batch(cfg, 2, seed=10 * step + rank)
@@ -129,18 +137,10 @@ def case_load_after_copies() -> list[str]:
     """Copies kept, a step, then a checkpoint loaded (the model's own state, written back in
     place) before the next step: what recovery's first call, ``restorable()``, says before
     and after the load."""
-    from functional_fsdp import fully_shard, keep_neighbour_copies
     from functional_fsdp.core.errors import StateError
-    from functional_fsdp.testing.models import GPT, GPTConfig, synthetic_batch
+    from functional_fsdp.testing.models import synthetic_batch
 
-    torch.manual_seed(0)
-    cfg = GPTConfig(**CFG)
-    model = GPT(cfg)
-    for b in model.blocks:
-        fully_shard(b)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    copies = keep_neighbour_copies(model, opt)
+    cfg, model, opt, copies = _sharded_with_copies()
     model.loss(*synthetic_batch(cfg, 2, seed=0)).backward()
     opt.step()
     opt.zero_grad()
