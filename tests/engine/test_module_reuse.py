@@ -86,6 +86,21 @@ class Reuse(nn.Module):
         return self.head(h)
 
 
+class TwiceCheckpointed(nn.Module):
+    """A block (its own group) whose plain sublayer ``lin`` runs twice, each time under a
+    reentrant checkpoint: no hook of the group sees the recomputes."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.lin, h, use_reentrant=True)
+        return torch.tanh(checkpoint(self.lin, torch.tanh(h), use_reentrant=True))
+
+
 def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).float().pow(2).mean()
 
@@ -187,6 +202,8 @@ def _model(cfg: dict[str, Any]) -> Reuse:
     model.reentrant_mid = bool(cfg.get("reentrant_mid"))
     model.reentrant_from = int(cfg.get("reentrant_from", 0))
     model.mid_last = bool(cfg.get("mid_last"))
+    if cfg.get("inner_checkpoints"):
+        model.rep = TwiceCheckpointed()
     if cfg.get("tie"):  # rep's group owns the weight, mid's borrows it
         model.mid.weight = model.rep[0].weight
     return model
@@ -491,6 +508,9 @@ REENTRANT_IN_ROOT = [
     {"uses": 1, "reentrant": True, "rep_in_root": True},
     {"uses": 2, "reentrant": True, "rep_in_root": True},
     {"uses": 3, "reentrant": True, "rep_in_root": True, "bucket_bytes": 0, "raf": False},
+    # The same inside a block's own group: rep's sublayer checkpointed twice in each call.
+    {"uses": 1, "inner_checkpoints": True},
+    {"uses": 2, "inner_checkpoints": True, "raf": False},
 ]
 
 
@@ -499,6 +519,8 @@ def test_a_reentrant_checkpoint_of_a_submodule_trains_like_one_process(world2) -
         {"uses": 2, "reentrant": True, "rep_in_root": True, "bf16": True},
         {"uses": 2, "reentrant": True, "rep_in_root": True, "micro": 2},
         {"uses": 2, "reentrant": True, "rep_in_root": True, "reproducible": 2},
+        {"uses": 2, "inner_checkpoints": True, "bf16": True},
+        {"uses": 2, "inner_checkpoints": True, "reproducible": 2, "bucket_bytes": 0},
     ]
     _check(world2.run(case_module_reuse, cfgs)[0], cfgs)
 
@@ -580,7 +602,9 @@ def test_a_reentrant_checkpoint_is_bit_equal_to_fsdp2(world2) -> None:
     cfgs = [c for c in REENTRANT if c["uses"] == 1]
     cfgs += [{"uses": 1, "reentrant": True, "bf16": True}]
     cfgs += [{"uses": 1, "reentrant": True, "bucket_bytes": 0, "raf": 2}]
-    cfgs += REENTRANT_IN_ROOT
+    # (A block called twice whose sublayer is checkpointed inside it: equal to one process, but
+    # its parts of each use's gradient are summed in another order than FSDP2's.)
+    cfgs += [c for c in REENTRANT_IN_ROOT if c.get("rep_in_root") or c["uses"] == 1]
     results = world2.run(case_reuse_against_fsdp2, cfgs)[0]
     bad = [f"{cfg}: {res}" for cfg, res in zip(cfgs, results) if res]
     assert not bad, "\n".join(bad)
