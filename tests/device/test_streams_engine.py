@@ -423,6 +423,13 @@ def _gpu_run(which: str, steps: int = 6, cfg: Any = None) -> dict[str, Any]:
     else:
         from functional_fsdp import fully_shard  # type: ignore[assignment]
     cfg = GPTConfig(vocab=512, dim=256, n_layers=8, n_heads=4, seq=128) if cfg is None else cfg
+    # The previous run's sharded model is cyclic garbage (module, state, hooks): collected
+    # first, or its memory counts in this run's peak (an H200 run printed ours 31 MiB above
+    # FSDP2's, which ran first, where bench_cuda.py, collecting, measured both within 2.5 MiB).
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.manual_seed(0)
     mesh = init_device_mesh("cuda", (1,))
     model = GPT(cfg).cuda()
