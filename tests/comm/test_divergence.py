@@ -188,6 +188,24 @@ def test_divergence_is_a_named_error_then_recovers(world2: World, kind: str) -> 
         assert r["losses"] == pytest.approx(r["want"], abs=1e-5), r
 
 
+def _diverge_on_the_stream_simulator(kind: str) -> dict[str, Any]:
+    """:func:`_diverge_then_recover` with the model's groups on the stream-ordering simulator
+    (strict: an access CUDA streams could race on raises ``StreamOrderError``)."""
+    from functional_fsdp.testing.streams import simulate_streams
+
+    with simulate_streams():
+        return _diverge_then_recover(kind)
+
+
+def test_a_failed_steps_abandoned_bucket_is_freed_in_stream_order(world2: World) -> None:
+    """A failed step abandons its prefetched bucket's all-gather; once that work reports
+    itself complete the rows are freed. The simulator found them freed with no event after
+    the collective's accesses (nobody had waited for it): a free racing the all-gather
+    stream on CUDA. Now freed after an event on that stream."""
+    for r in world2.run(_diverge_on_the_stream_simulator, "more_micro_batches_on_one_rank"):
+        assert r["losses"] == pytest.approx(r["want"], abs=1e-5), r
+
+
 def _slow_peer(sleep_s: float) -> dict[str, Any]:
     """Rank 1 stops for ``sleep_s`` inside its forward (past both grace periods: the position
     check's and, set to 2 s here, the watchdog's idle peer's): rank 0 waits at the same

@@ -461,7 +461,9 @@ def test_a_first_group_with_its_own_step_hook_keeps_the_local_step(world2: World
     the ``DTensor`` path (the swap allows no post-hook before its own restore)."""
     for res in world2.run(case_first_group_reproducible):
         assert res["ops"][1:] == [0], res
-        assert res["hooks"] == [
+        # (Under FFSDP_RUNTIME=simulator the checking runtime's access report, _stepped, is
+        # registered after these.)
+        assert [h for h in res["hooks"] if h != "_stepped"] == [
             "check_replaced_params",
             "_to_local",
             "check_no_partial_trees",

@@ -445,6 +445,24 @@ def test_group_that_skips_its_forward_or_runs_it_without_grad(world2) -> None:
     _check(world2.run(case_module_reuse, cfgs)[0], cfgs)
 
 
+def case_on_the_stream_simulator(cfgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`case_module_reuse` with every group on the stream-ordering simulator (strict:
+    an access CUDA streams could race on raises ``StreamOrderError``)."""
+    from functional_fsdp.testing.streams import simulate_streams
+
+    with simulate_streams():
+        return case_module_reuse(cfgs)
+
+
+def test_a_skipped_group_on_the_stream_simulator(world2) -> None:
+    """A group prefetched by the recorded order whose forward is then skipped: its dropped
+    all-gather read the shards, and the optimizer step writes them next on compute. The
+    simulator found that write racing the gather (one collective per group); compute now
+    waits for every gather it drops."""
+    cfgs = [{"uses": 2, "skip": {1}, "bucket_bytes": 0}, {"uses": 2, "skip": {0, 2}}]
+    _check(world2.run(case_on_the_stream_simulator, cfgs)[0], cfgs)
+
+
 def test_a_create_graph_backward_lands_its_buckets(world2) -> None:
     """``loss.backward(create_graph=True)`` lands the reductions with grad mode on: a bucket's
     members' outputs were ``out.split()`` views, which autograd refuses to view again after

@@ -150,6 +150,13 @@ def issue_gather_coalesced(
         events = [] if made else consumers_done(rt)
         if bucket.gathered is not None:
             events.append(bucket.gathered)
+        else:
+            # Nobody waited for the collective: every member was abandoned by a failed step,
+            # and the rows are given up once its work reported itself complete
+            # (engine/abandoned.py). Its accesses are over: free after them, on its stream.
+            if rt.checks:
+                rt.complete(ag, [t])
+            events.append(rt.record(ag))
         rt.free_after(t, events)
 
     with rt.use(ag):
@@ -300,8 +307,13 @@ def retire_gather(
 ) -> Event:
     """Wait for a gather nobody lands (dropped, or freed while in flight; every rank issued
     it); free its buffers after it; the event after it. ``bucket``: the shared wait of the
-    bucket ``pending`` is a member of (the rows are freed after it)."""
+    bucket ``pending`` is a member of (the rows are freed after it).
+
+    Compute waits for it too: the gather read the shards, which compute writes next (the
+    optimizer step after a forward that skipped a prefetched group; the stream simulator
+    found the step's write racing the all-gather's read)."""
     gathered = gather_done(rt, pending, bucket)
+    wait_for_gather(rt, gathered)
     _free_temporaries(rt, pending, staged, gathered)
     if pending.output is not None:
         rt.free_after(pending.output, [gathered])
